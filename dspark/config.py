@@ -1,0 +1,106 @@
+"""Configuration dataclasses shared by the engine, scheduler and server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples; field names and defaults follow vLLM's."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding settings.
+
+    drafter: a drafter folder, "ngram", "none", or None for the shipped default.
+    """
+
+    drafter: str | None = None
+    block_size: int | None = None  # None: the drafter's own block size
+    tree: bool = False
+    tree_budget: int = 16  # draft nodes per request when tree=True
+    tree_topk: int = 2
+    policy: str = "fixed"  # fixed | threshold | load-aware
+    threshold: float = 0.5
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    def validate(self) -> None:
+        if self.block_size is not None and not 1 <= self.block_size <= 32:
+            raise ValueError(f"block_size must be in [1, 32], got {self.block_size}")
+        if self.policy not in ("fixed", "threshold", "load-aware"):
+            raise ValueError(f"unknown spec policy {self.policy!r}: choose fixed, threshold or load-aware")
+        if self.tree_budget < 1 or self.tree_topk < 1:
+            raise ValueError("tree_budget and tree_topk must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    """What the engine runs and how much memory it may use."""
+
+    model: str | None = None  # HF folder or .gguf; None: the default SmolLM2
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    page_size: int = 16
+    kv_cache_tokens: int = 65536  # token budget of the page pool
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_batched_tokens: int = 2048  # tokens per forward (prefill chunking)
+    seed: int = 0
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().startswith("cuda") else torch.float32
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[self.dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {self.dtype!r}: choose float32, bfloat16 or float16") from None

@@ -1,0 +1,321 @@
+"""The engine: one step of work on one batch, with continuous batching.
+
+Each step (1) admits and schedules work under a token and page budget,
+(2) asks the drafter for proposals for every decoding request, (3) lets the
+policy choose how many draft tokens to verify, (4) runs one target forward
+over the ragged batch (prefill chunks + [anchor, drafts] chains), (5) accepts
+losslessly and commits, rolling back the caches to the accepted length.
+With no drafter the chains are just [anchor]: plain decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from dspark.config import EngineConfig, SamplingParams
+from dspark.engine.attention import make_backend
+from dspark.engine.detokenizer import decode_new_text, find_stop
+from dspark.engine.kv_cache import KVCache, PagePool
+from dspark.engine.model_runner import ModelRunner
+from dspark.engine.sampling import accept_chain, warp_logits
+from dspark.engine.sequence import RequestOutput, Sequence, Status
+from dspark.engine.spec import SpecRunner
+from dspark.models.llama import LlamaConfig, LlamaModel
+from dspark.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model_folder
+
+
+class Engine:
+    """Owns the model, the caches and the requests; `step()` advances every running request."""
+
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        config.spec.validate()
+        self.device = torch.device(config.resolved_device())
+        self.dtype = config.resolved_dtype()
+        self.model_path = resolve_model_folder(config.model)
+        hf_cfg = load_config(self.model_path)
+        self.model_config = mc = LlamaConfig.from_hf(hf_cfg)
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        model = LlamaModel(mc)
+        model.load_hf_state_dict(load_state_dict(self.model_path, self.dtype))
+        self.model = model.to(self.device, self.dtype).eval()
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        eos = set(mc.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        page_size = config.page_size
+        num_pages = max(1, config.kv_cache_tokens // page_size)
+        self.pool = PagePool(num_pages, page_size)
+        kv = KVCache(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads,
+                     mc.head_dim, self.dtype, self.device)
+        self.attn = make_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.pool, kv, self.attn, self.device)
+        self.spec = SpecRunner.create(config.spec, self)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+        self._finished_pending: list[Sequence] = []
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: str | list[int] | list[dict],
+                    params: SamplingParams | None = None, spec: bool = True,
+                    block_size: int | None = None) -> Sequence:
+        """Queue a request: a prompt string, token ids, or chat messages."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} "
+                             "tokens and needs room for at least one generated token")
+        seed = params.seed if params.seed is not None else torch.randint(0, 2**62, (1,)).item()
+        gen = None if params.greedy else torch.Generator().manual_seed(seed)
+        seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_ids=ids, params=params,
+                       generator=gen, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+                       spec_enabled=spec, block_size=block_size)
+        self.seqs[request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+            return list(prompt)
+        raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its pages at once; False if it is unknown or finished."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one forward over everything schedulable; return outputs of touched requests."""
+        decode, prefill = self._schedule()
+        if not decode and not prefill:
+            return self._drain_finished([])
+        proposals = self.spec.propose(decode) if decode else {}
+        items, logit_rows, plans = [], [], []
+        for seq in decode:
+            drafts = proposals.get(seq.seq_id, [])
+            anchor = seq.output_ids[-1]
+            start = sum(len(t) for _, t in items)
+            items.append((seq, [anchor] + drafts))
+            logit_rows.extend(range(start, start + 1 + len(drafts)))
+            plans.append((seq, "decode", len(drafts), drafts))
+        for seq, n in prefill:
+            toks = seq.all_ids[seq.num_cached:seq.num_cached + n]
+            start = sum(len(t) for _, t in items)
+            done = seq.num_cached + n == seq.prefill_target and not seq.output_ids
+            items.append((seq, toks))
+            if done:
+                logit_rows.append(start + n - 1)
+            plans.append((seq, "prefill", n, []))
+        result = self.runner.forward(items, logit_rows, capture=self.spec.capture_layers)
+        touched = self._accept_and_commit(plans, result, proposals)
+        return self._drain_finished(touched)
+
+    def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        decode: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.in_prefill or seq not in self.running:
+                continue
+            need = seq.num_cached + self.spec.max_tokens_for(seq)
+            while not self.pool.can_reserve(seq.seq_id, need):
+                victim = self._pick_victim(exclude=seq)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim in decode:
+                    decode.remove(victim)
+            if not self.pool.can_reserve(seq.seq_id, need):
+                self._preempt(seq)
+                continue
+            self.pool.reserve(seq.seq_id, need)
+            decode.append(seq)
+            budget -= self.spec.max_tokens_for(seq)
+        prefill: list[tuple[Sequence, int]] = []
+        # requests mid-prefill first, then new arrivals, while tokens and pages last
+        candidates = [s for s in self.running if s.in_prefill] + list(self.waiting)
+        for seq in candidates:
+            if budget <= 0:
+                break
+            if seq.status is Status.WAITING:
+                if len(self.running) >= cfg.max_num_seqs:
+                    break
+            n = min(budget, seq.prefill_target - seq.num_cached)
+            if not seq.output_ids and n == seq.prefill_target - seq.num_cached == 0:
+                continue
+            if not self.pool.can_reserve(seq.seq_id, seq.num_cached + n):
+                free_tokens = (self.pool.num_free + self.pool.pages_needed(seq.seq_id, 0)) * self.pool.page_size
+                n = min(n, free_tokens - (seq.num_cached % self.pool.page_size if seq.seq_id in self.pool.tables else 0))
+                if n <= 0 or not self.pool.can_reserve(seq.seq_id, seq.num_cached + n):
+                    break
+            if seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            self.pool.reserve(seq.seq_id, seq.num_cached + n)
+            prefill.append((seq, n))
+            budget -= n
+        return decode, prefill
+
+    def _pick_victim(self, exclude: Sequence) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq is not exclude:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a request's pages and queue it for recomputation from its tokens so far."""
+        self.pool.free(seq.seq_id)
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.waiting.insert(0, seq)
+
+    def _accept_and_commit(self, plans, result, proposals) -> list[Sequence]:
+        rows = [(seq, kind, n, d) for seq, kind, n, d in plans if kind == "decode" or (
+            kind == "prefill" and seq.num_cached + n == seq.prefill_target and not seq.output_ids)]
+        touched = []
+        n_acc_list: dict[int, int] = {}
+        if rows:
+            K = max(len(d) for *_, d in rows)
+            R, V = len(rows), result.logits.shape[-1]
+            logits = result.logits.new_full((R, K + 1, V), 0.0)
+            lens = torch.zeros(R, dtype=torch.long)
+            drafts = torch.zeros(R, max(K, 1), dtype=torch.long)
+            at = 0
+            for r, (seq, _, _, d) in enumerate(rows):
+                k = len(d)
+                logits[r, :k + 1] = result.logits[at:at + k + 1]
+                at += k + 1
+                lens[r] = k
+                if k:
+                    drafts[r, :k] = torch.tensor(d)
+            temp = torch.tensor([s.params.temperature for s, *_ in rows])
+            top_k = torch.tensor([s.params.top_k for s, *_ in rows])
+            top_p = torch.tensor([s.params.top_p for s, *_ in rows])
+            p = warp_logits(logits, temp[:, None].expand(R, K + 1), top_k[:, None].expand(R, K + 1),
+                            top_p[:, None].expand(R, K + 1))
+            q = self.spec.draft_probs(rows, K, p.shape[-1], proposals)
+            u_acc = torch.full((R, max(K, 1)), 0.5)
+            u_smp = torch.full((R,), 0.5)
+            for r, (seq, *_) in enumerate(rows):
+                if seq.generator is not None:
+                    u = torch.rand(K + 1, generator=seq.generator)
+                    u_acc[r, :K], u_smp[r] = u[:K], u[K]
+            n_acc, nxt = accept_chain(p, drafts[:, :K], q, lens, u_acc[:, :K], u_smp)
+            for r, (seq, kind, n, d) in enumerate(rows):
+                a = int(n_acc[r])
+                n_acc_list[seq.seq_id] = a
+                committed = self._append_tokens(seq, d[:a] + [int(nxt[r])])
+                if kind == "decode":
+                    seq.stats.record(self.spec.num_proposed(seq), n, a, committed)
+        # cache bookkeeping: cached tokens grow by the prefill chunk or by anchor + accepted drafts
+        ctx_rows = []
+        for (seq, kind, n, _), start in zip(plans, result.row_starts):
+            keep = n if kind == "prefill" else 1 + n_acc_list.get(seq.seq_id, 0)
+            ctx_rows.append((seq, seq.num_cached, keep, start))
+            seq.num_cached += keep
+            touched.append(seq)
+        self.spec.commit(ctx_rows, result)
+        for seq in touched:
+            if seq.is_finished:
+                continue
+            self.pool.truncate(seq.seq_id, seq.num_cached)
+            self.pool.tables[seq.seq_id].num_tokens = seq.num_cached
+        return touched
+
+    def _append_tokens(self, seq: Sequence, new: list[int]) -> int:
+        """Commit sampled tokens, stopping exactly where plain decoding would."""
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        p = seq.params
+        count = 0
+        for tok in new:
+            seq.output_ids.append(tok)
+            count += 1
+            if tok in seq.eos_ids or tok in p.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
+        delta = decode_new_text(self.tokenizer, seq, flush=seq.finish_reason is not None)
+        seq.text += delta
+        if p.stop and delta:
+            cut = find_stop(seq.text, p.stop, len(delta))
+            if cut != -1:
+                seq.text = seq.text[:cut]
+                seq.finish_reason = "stop"
+        if seq.finish_reason:
+            self._finish(seq, seq.finish_reason)
+        return count
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.status = Status.FINISHED
+        seq.finish_time = time.perf_counter()
+        self.pool.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finished_pending.append(seq)
+
+    def _drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:
+        pending, self._finished_pending = self._finished_pending, []
+        seen, outs = set(), []
+        for seq in touched + pending:
+            if seq.seq_id in seen:
+                continue
+            seen.add(seq.seq_id)
+            outs.append(self._output(seq))
+            if seq.is_finished:
+                self.seqs.pop(seq.request_id, None)
+        return outs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        # hold back text that could still turn out to start a stop string
+        hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
+        shown = max(seq.reported_chars, len(seq.text) - hold)
+        new_ids = seq.output_ids[seq.reported_tokens:]
+        new_text = seq.text[seq.reported_chars:shown]
+        seq.reported_tokens, seq.reported_chars = len(seq.output_ids), shown
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
+        end = seq.finish_time or time.perf_counter()
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
+            text=seq.text, new_token_ids=new_ids, new_text=new_text, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, stats=seq.stats, ttft=ttft,
+            decode_time=end - seq.first_token_time if seq.first_token_time else None,
+            num_preemptions=seq.num_preemptions)

@@ -1,0 +1,87 @@
+"""Sampling and lossless verification, vectorized over the batch.
+
+Randomness comes in as uniforms drawn from each request's own generator, so
+seeded requests are reproducible whatever else shares their batch, and every
+sampling decision below is a tensor op (inverse-CDF sampling instead of
+torch.multinomial, which cannot take per-row generators).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def warp_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p; rows with temperature 0 become
+    one-hot at the argmax. logits [..., V]; the parameters are [...] tensors."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    x = logits / t[..., None]
+    V = x.shape[-1]
+    k = torch.where(top_k <= 0, torch.full_like(top_k, V), top_k.clamp(max=V))
+    need_filter = bool((k < V).any()) or bool((top_p < 1).any())
+    if need_filter:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=x.device)
+        drop = rank >= k[..., None]
+        probs_sorted = sorted_x.softmax(-1)
+        before = probs_sorted.cumsum(-1) - probs_sorted  # mass strictly above this token
+        drop |= before >= top_p[..., None].float()
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+    probs = x.softmax(-1)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[..., None], onehot, probs)
+    return probs
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row of probs [..., V] from uniforms u [...]."""
+    cdf = probs.cumsum(-1)
+    total = cdf[..., -1:]
+    idx = torch.searchsorted(cdf, (u[..., None] * total).contiguous(), right=True).squeeze(-1)
+    # guard against rounding past the last non-zero entry
+    idx = idx.clamp(max=probs.shape[-1] - 1)
+    bad = probs.gather(-1, idx[..., None]).squeeze(-1) <= 0
+    if bool(bad.any()):
+        idx = torch.where(bad, probs.argmax(-1), idx)
+    return idx
+
+
+def accept_chain(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, lens: torch.Tensor,
+                 u_accept: torch.Tensor, u_sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling over a padded batch of chains.
+
+    p: [R, K+1, V] target probabilities at each verified slot; draft: [R, K] draft tokens;
+    q: [R, K, V] draft probabilities, or None when the draft is deterministic (one-hot);
+    lens: [R] drafted tokens per row (<= K); u_accept: [R, K], u_sample: [R] uniforms.
+    Returns (accepted count [R], the correction-or-bonus token [R]).
+    Token j is kept with probability min(1, p/q); at the first rejection the token is drawn
+    from normalize((p - q)+); when all pass, the bonus is drawn from p at slot lens.
+    """
+    R, K1, V = p.shape
+    K = K1 - 1
+    rows = torch.arange(R, device=p.device)
+    if K == 0:
+        return torch.zeros(R, dtype=torch.long, device=p.device), sample(p[:, 0], u_sample)
+    p_tok = p[:, :K].gather(-1, draft[..., None]).squeeze(-1)
+    q_tok = torch.ones_like(p_tok) if q is None else q.gather(-1, draft[..., None]).squeeze(-1)
+    ok = u_accept * q_tok < p_tok  # u < p/q without dividing by zero
+    ok &= torch.arange(K, device=p.device)[None] < lens[:, None]
+    n_acc = ok.long().cumprod(-1).sum(-1)
+    final = p[rows, n_acc]  # [R, V]
+    rejected = n_acc < lens
+    if bool(rejected.any()):
+        slot = n_acc.clamp(max=K - 1)
+        if q is None:
+            q_row = torch.zeros_like(final).scatter_(-1, draft[rows, slot][:, None], 1.0)
+        else:
+            q_row = q[rows, slot]
+        resid = (final - q_row).clamp(min=0)
+        # an all-zero residual only happens when p == q, where rejection has probability 0
+        resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, final)
+        final = torch.where(rejected[:, None], resid, final)
+    return n_acc, sample(final, u_sample)

@@ -1,0 +1,124 @@
+"""One request's state inside the engine, and what the engine reports about it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters: one step = one target pass for this request."""
+
+    steps: int = 0
+    proposed: int = 0  # draft tokens the drafter produced
+    verified: int = 0  # draft tokens the policy sent to the target
+    accepted: int = 0  # draft tokens the target kept
+    generated: int = 0  # tokens committed by decode steps (accepted + corrections/bonuses)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    verified_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target pass (accepted + 1 on average)."""
+        return self.generated / self.steps if self.steps else 0.0
+
+    def record(self, proposed: int, verified: int, accepted: int, committed: int) -> None:
+        self.steps += 1
+        self.proposed += proposed
+        self.verified += verified
+        self.accepted += accepted
+        self.generated += committed
+        for pos in range(verified):
+            if pos >= len(self.verified_per_pos):
+                self.verified_per_pos.append(0)
+                self.accepted_per_pos.append(0)
+            self.verified_per_pos[pos] += 1
+            self.accepted_per_pos[pos] += pos < accepted
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "proposed": self.proposed, "verified": self.verified,
+                "accepted": self.accepted, "tau": round(self.tau, 4),
+                "accepted_per_pos": list(self.accepted_per_pos),
+                "verified_per_pos": list(self.verified_per_pos)}
+
+
+@dataclass
+class Sequence:
+    """A request as the engine tracks it. The last output token is the "anchor": sampled
+    but not yet run through the target, so num_cached == len(all_ids) - 1 while decoding."""
+
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    stats: SpecStats = field(default_factory=SpecStats)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    # incremental detokenizer offsets into output_ids
+    prefix_offset: int = 0
+    read_offset: int = 0
+    reported_tokens: int = 0
+    reported_chars: int = 0
+    spec_enabled: bool = True
+    block_size: int | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to cache before decoding can start (all but the anchor)."""
+        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < self.prefill_target or not self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stats: SpecStats
+    ttft: float | None = None  # seconds from arrival to the first token
+    decode_time: float | None = None  # seconds from the first token to the last
+    num_preemptions: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / self.decode_time if self.decode_time and n > 0 else 0.0

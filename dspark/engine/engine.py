@@ -79,6 +79,9 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} "
                              "tokens and needs room for at least one generated token")
+        if len(ids) + 1 > self.pool.num_pages * self.pool.page_size:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the KV cache holds only "
+                             f"{self.pool.num_pages * self.pool.page_size}; raise kv_cache_tokens")
         seed = params.seed if params.seed is not None else torch.randint(0, 2**62, (1,)).item()
         gen = None if params.greedy else torch.Generator().manual_seed(seed)
         seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_ids=ids, params=params,
@@ -172,11 +175,9 @@ class Engine:
             n = min(budget, seq.prefill_target - seq.num_cached)
             if not seq.output_ids and n == seq.prefill_target - seq.num_cached == 0:
                 continue
-            if not self.pool.can_reserve(seq.seq_id, seq.num_cached + n):
-                free_tokens = (self.pool.num_free + self.pool.pages_needed(seq.seq_id, 0)) * self.pool.page_size
-                n = min(n, free_tokens - (seq.num_cached % self.pool.page_size if seq.seq_id in self.pool.tables else 0))
-                if n <= 0 or not self.pool.can_reserve(seq.seq_id, seq.num_cached + n):
-                    break
+            n = min(n, self.pool.capacity(seq.seq_id) - seq.num_cached)
+            if n <= 0:
+                break
             if seq.status is Status.WAITING:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
@@ -214,7 +215,7 @@ class Engine:
             lens = torch.zeros(R, dtype=torch.long)
             drafts = torch.zeros(R, max(K, 1), dtype=torch.long)
             at = 0
-            for r, (seq, _, _, d) in enumerate(rows):
+            for r, (*_, d) in enumerate(rows):
                 k = len(d)
                 logits[r, :k + 1] = result.logits[at:at + k + 1]
                 at += k + 1

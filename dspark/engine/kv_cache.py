@@ -48,6 +48,11 @@ class PagePool:
         have = len(self.tables[seq_id].pages) if seq_id in self.tables else 0
         return max(0, -(-num_tokens // self.page_size) - have)
 
+    def capacity(self, seq_id: int) -> int:
+        """Most tokens seq_id could hold if it took every free page."""
+        have = len(self.tables[seq_id].pages) if seq_id in self.tables else 0
+        return (have + len(self._free)) * self.page_size
+
     def can_reserve(self, seq_id: int, num_tokens: int) -> bool:
         return self.pages_needed(seq_id, num_tokens) <= len(self._free)
 

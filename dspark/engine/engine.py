@@ -21,7 +21,7 @@ from dspark.engine.detokenizer import decode_new_text, find_stop
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.model_runner import ModelRunner
 from dspark.engine.sampling import accept_chain, warp_logits
-from dspark.engine.sequence import RequestOutput, Sequence, Status
+from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.spec import SpecRunner
 from dspark.models.llama import LlamaConfig, LlamaModel
 from dspark.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model_folder
@@ -62,6 +62,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.spec_stats = SpecStats()  # engine-wide totals
         self._finished_pending: list[Sequence] = []
 
     # ---------------------------------------------------------------- requests
@@ -240,7 +241,8 @@ class Engine:
                 n_acc_list[seq.seq_id] = a
                 committed = self._append_tokens(seq, d[:a] + [int(nxt[r])])
                 if kind == "decode":
-                    seq.stats.record(self.spec.num_proposed(seq), n, a, committed)
+                    for st in (seq.stats, self.spec_stats):
+                        st.record(self.spec.num_proposed(seq), n, a, committed)
         # cache bookkeeping: cached tokens grow by the prefill chunk or by anchor + accepted drafts
         ctx_rows = []
         for (seq, kind, n, _), start in zip(plans, result.row_starts):

@@ -135,18 +135,27 @@ def _convert_cached(gguf_path: pathlib.Path) -> pathlib.Path:
     if (final / "source.txt").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".tmp-{final.name}-*"):  # left by a killed conversion
+        if time.time() - stale.stat().st_mtime > 6 * 3600:
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
         t0 = time.perf_counter()
         log.info("converting %s into %s (one-time)", gguf_path, final)
-        _convert(gguf_path, tmp)
+        try:
+            _convert(gguf_path, tmp)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # unreadable file, unknown quant type, tokenizer the converter lacks, ...
+            raise ModelLoadError(f"cannot convert GGUF {str(gguf_path)!r}: {type(e).__name__}: {e}") from e
         (tmp / "source.txt").write_text(f"converted from GGUF: {gguf_path}\nsize: {st.st_size}\n"
                                         f"mtime_ns: {st.st_mtime_ns}\nconverter: dspark {_CONVERTER_VERSION}\n")
         try:
             os.rename(tmp, final)
-        except OSError:  # another process won the race
+        except OSError:  # another process won the race, or a broken leftover is in the way
             if not (final / "source.txt").is_file():
-                raise
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
         log.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - t0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -192,15 +201,15 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
             w = w.reshape(h, w.shape[0] // h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
 
-    hidden = int(_meta(reader, f"{arch}.embedding_length"))
     cls, model_type = _ARCHES[arch]
     tok_id = {k: _meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
     config = {
         "architectures": [cls], "model_type": model_type, "torch_dtype": "float32", "hidden_act": "silu",
-        "hidden_size": hidden, "intermediate_size": int(_meta(reader, f"{arch}.feed_forward_length")),
+        "hidden_size": int(_meta(reader, f"{arch}.embedding_length")),
+        "intermediate_size": int(_meta(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_meta(reader, f"{arch}.block_count")),
         "num_attention_heads": n_head, "num_key_value_heads": n_kv,
-        "head_dim": int(_meta(reader, f"{arch}.attention.key_length", hidden // n_head)),
+        "head_dim": int(tensors["model.layers.0.self_attn.q_proj.weight"].shape[0]) // n_head,
         "max_position_embeddings": int(_meta(reader, f"{arch}.context_length", 2048)),
         "rms_norm_eps": float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),

@@ -1,0 +1,81 @@
+"""`dspark bench`: measure decoding methods side by side and print one JSON object.
+
+The offline benchmark (one process, no server) is the default mode: ``dspark bench --methods hf,ar``.
+The measurement itself lives in :mod:`dspark.bench.offline`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from collections.abc import Callable
+
+from dspark.bench.offline import METHODS
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction,
+                     add_engine_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to ``subparsers`` and return its parser."""
+    p = subparsers.add_parser(
+        "bench", help="measure decode speed, TTFT and acceptance of several methods side by side",
+        description="Run methods side by side on a prompts file in one process and print one JSON "
+                    f"object. Methods: {', '.join(METHODS)}. Decode speed excludes prefill.")
+    add_engine_args(p)
+    p.add_argument("--prompts", default=None,
+                   help="jsonl with a 'prompt' string or 'turns' list per row "
+                        "(default: ../shared/data/dev_prompts.jsonl next to the repository)")
+    p.add_argument("--num-prompts", type=int, default=16, help="how many prompts to run (default 16)")
+    p.add_argument("--category", default=None, help="only rows whose 'category' field equals this")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts generated together (default 1)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt")
+    p.add_argument("--methods", default="hf,ar", help=f"comma list of {', '.join(METHODS)} (default hf,ar)")
+    p.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="feed prompts as raw text instead of a user chat message")
+    p.add_argument("--warmup", type=int, default=1, help="prompts run once before timing each method")
+    p.add_argument("--output", default=None, help="also write the JSON report to this file")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def parse_methods(text: str) -> list[str]:
+    """``"hf, ar"`` -> ``["hf", "ar"]``; raises ValueError on unknown or repeated names."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods:
+        raise ValueError("--methods is empty")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise ValueError("--methods names a method twice")
+    return methods
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the offline benchmark; print the JSON report to stdout (and --output)."""
+    from dspark.bench.offline import default_prompts_path, load_prompts, run_bench
+    from dspark.cli import engine_config
+
+    methods = parse_methods(args.methods)
+    for name in ("num_prompts", "batch_size", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
+    path = args.prompts or default_prompts_path()
+    if path is None:
+        raise FileNotFoundError("no default prompts file (../shared/data/dev_prompts.jsonl); pass --prompts")
+    prompts = load_prompts(path, args.num_prompts, args.category)
+    report = run_bench(engine_config(args), methods, prompts, batch_size=args.batch_size,
+                       max_tokens=args.max_tokens, warmup=args.warmup, chat=args.chat)
+    report["prompts"] = str(path)
+    report["category"] = args.category
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        pathlib.Path(args.output).write_text(text + "\n", encoding="utf-8")
+    failed = [m for m, r in report["methods"].items() if "error" in r]
+    if failed:
+        print(f"[bench] failed methods: {', '.join(failed)}", file=sys.stderr)
+    return 0

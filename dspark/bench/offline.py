@@ -1,0 +1,268 @@
+"""Offline benchmark: run methods side by side on one prompt set, in one process.
+
+Methods: ``hf`` (transformers ``generate``, greedy), ``ar`` (our engine, no drafter), ``ngram``,
+``dspark`` (the configured or default drafter) and ``dspark-tree`` (the same, tree verification).
+
+Timing definitions (prefill excluded from decode speed):
+
+* Prompts run in consecutive groups of ``batch_size``; each group is one batch.
+* Our engine: a group is one ``LLM.generate`` call timed with ``time.perf_counter`` from ``t0``
+  (just before the call) to ``t1`` (just after). A request's first token lands at ``t0 + ttft``
+  (the engine stamps arrival at ``add_request``, right after ``t0``: prompts are pre-tokenized, so
+  this errs, by microseconds, towards a longer decode window). The group's decode window is
+  ``t1 - (t0 + max ttft)``: from the moment the last request got its first token to the end.
+* HF: ``generate(max_new_tokens=1)`` on the same batch gives the group's TTFT; the decode window
+  is the full ``generate`` time minus that TTFT.
+* ``decode_tok_s`` = sum over groups of (generated tokens - 1 per request) / sum of decode windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+import torch
+
+from dspark.config import EngineConfig, SamplingParams
+
+METHODS = ("hf", "ar", "ngram", "dspark", "dspark-tree")
+SPEC_METHODS = ("ngram", "dspark", "dspark-tree")
+
+
+@dataclasses.dataclass
+class MethodRun:
+    """Raw measurements of one method over all prompts."""
+
+    token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    decode_tokens: int = 0
+    decode_time: float = 0.0
+    load_s: float = 0.0
+    stats: list[Any] | None = None  # SpecStats per request (our engine only)
+
+
+def default_prompts_path() -> pathlib.Path | None:
+    """``../shared/data/dev_prompts.jsonl`` next to the repository, if present."""
+    path = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "dev_prompts.jsonl"
+    return path if path.is_file() else None
+
+
+def load_prompts(path: str | pathlib.Path, num: int, category: str | None = None) -> list[str]:
+    """The first ``num`` prompts of a jsonl file (``prompt``, or the first of ``turns``)."""
+    out: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if category is not None and row.get("category") != category:
+                continue
+            text = row.get("prompt")
+            if text is None and row.get("turns"):
+                text = row["turns"][0]
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{line_no}: a row needs a 'prompt' string or a 'turns' list")
+            out.append(text)
+            if len(out) >= num:
+                break
+    if not out:
+        raise ValueError(f"no prompts in {path}" + (f" with category {category!r}" if category else ""))
+    return out
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str], chat: bool) -> list[list[int]]:
+    """Token ids exactly as the engine would encode the prompts (chat template or raw text)."""
+    out = []
+    for text in prompts:
+        if chat:
+            enc = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            out.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
+        else:
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def _groups(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def method_config(cfg: EngineConfig, method: str) -> EngineConfig:
+    """The engine config for one of our methods (``ar``, ``ngram``, ``dspark``, ``dspark-tree``)."""
+    spec = cfg.spec
+    if method == "ar":
+        spec = dataclasses.replace(spec, drafter="none", tree=False)
+    elif method == "ngram":
+        spec = dataclasses.replace(spec, drafter="ngram", tree=False)
+    elif method == "dspark-tree":
+        spec = dataclasses.replace(spec, tree=True)
+    elif method != "dspark":
+        raise ValueError(f"unknown engine method {method!r}")
+    return dataclasses.replace(cfg, spec=spec)
+
+
+def run_engine(cfg: EngineConfig, prompt_ids: list[list[int]], batch_size: int, max_tokens: int,
+               warmup: int) -> MethodRun:
+    """Load our engine with ``cfg`` and generate greedily, one ``generate`` call per group."""
+    from dspark.llm import LLM
+
+    t = time.perf_counter()
+    llm = LLM.from_config(cfg)
+    run = MethodRun(load_s=time.perf_counter() - t, stats=[])
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if warmup > 0:
+        llm.generate(prompt_ids[:warmup], params)
+    for group in _groups(prompt_ids, batch_size):
+        t0 = time.perf_counter()
+        outs = llm.generate(group, params)
+        t1 = time.perf_counter()
+        ttfts = [o.ttft or 0.0 for o in outs]
+        run.decode_time += t1 - (t0 + max(ttfts))
+        run.decode_tokens += sum(max(0, len(o.token_ids) - 1) for o in outs)
+        run.ttfts += ttfts
+        run.token_ids += [list(o.token_ids) for o in outs]
+        run.stats += [o.stats for o in outs]
+    return run
+
+
+def _trim(row: list[int], eos_ids: set[int]) -> list[int]:
+    """Cut a generated row after its first end-of-sequence token (as the engine stops)."""
+    for i, tok in enumerate(row):
+        if tok in eos_ids:
+            return row[:i + 1]
+    return row
+
+
+def run_hf(cfg: EngineConfig, folder: str, prompt_ids: list[list[int]], batch_size: int,
+           max_tokens: int, warmup: int) -> MethodRun:
+    """transformers ``generate`` (greedy, left-padded batches) in the engine's dtype and device."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from dspark.models.loader import load_config, load_tokenizer
+
+    device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
+    cuda = device.startswith("cuda")
+    t = time.perf_counter()
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(folder, **{key: dtype}).to(device).eval()
+    tok = load_tokenizer(folder)
+    run = MethodRun(load_s=time.perf_counter() - t)
+    eos = load_config(folder).get("eos_token_id")
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tok.eos_token_id is not None:
+        eos_ids.add(tok.eos_token_id)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def generate(group: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=sorted(eos_ids), temperature=None,
+                                 top_p=None, top_k=None)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        return [_trim(r, eos_ids) for r in out[:, width:].tolist()], elapsed
+
+    if warmup > 0:
+        generate(prompt_ids[:warmup], 1)
+        generate(prompt_ids[:warmup], max_tokens)
+    for group in _groups(prompt_ids, batch_size):
+        _, ttft = generate(group, 1)
+        rows, total = generate(group, max_tokens)
+        run.decode_time += max(0.0, total - ttft)
+        run.decode_tokens += sum(max(0, len(r) - 1) for r in rows)
+        run.ttfts += [ttft] * len(group)
+        run.token_ids += rows
+    return run  # the model is freed when this frame goes; run_bench then collects
+
+
+def _spec_summary(stats: list[Any]) -> dict[str, Any]:
+    """tau and per-position acceptance, summed over requests."""
+    steps = sum(s.steps for s in stats)
+    committed = sum(s.generated for s in stats)
+    width = max((len(s.verified_per_pos) for s in stats), default=0)
+    acc, ver = [0] * width, [0] * width
+    for s in stats:
+        for i, (a, v) in enumerate(zip(s.accepted_per_pos, s.verified_per_pos)):
+            acc[i] += a
+            ver[i] += v
+    return {"tau": round(committed / steps, 4) if steps else None, "steps": steps,
+            "proposed": sum(s.proposed for s in stats), "verified": sum(s.verified for s in stats),
+            "accepted": sum(s.accepted for s in stats),
+            "acceptance_per_pos": [round(a / v, 4) if v else None for a, v in zip(acc, ver)],
+            "verified_per_pos": ver}
+
+
+def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[str, Any]:
+    """The reported numbers for one method; ``ref`` holds the ``ar`` and ``hf`` runs when made."""
+    tok_s = run.decode_tokens / run.decode_time if run.decode_time > 0 else None
+    out: dict[str, Any] = {
+        "decode_tok_s": round(tok_s, 2) if tok_s else None,
+        "ttft_ms": round(1000 * sum(run.ttfts) / len(run.ttfts), 2) if run.ttfts else None,
+        "tokens": sum(len(t) for t in run.token_ids), "requests": len(run.token_ids),
+        "decode_tokens": run.decode_tokens, "decode_s": round(run.decode_time, 4),
+        "load_s": round(run.load_s, 3), "matches_ar": None}
+    ar = ref.get("ar")
+    if ar is not None and run.token_ids:
+        same = sum(a == b for a, b in zip(run.token_ids, ar.token_ids))
+        out["matches_ar"] = round(same / len(run.token_ids), 4)
+    if method in SPEC_METHODS and run.stats is not None:
+        out.update(_spec_summary(run.stats))
+    for name in ("ar", "hf"):
+        other = ref.get(name)
+        if method != name and other is not None and tok_s and other.decode_time > 0 and other.decode_tokens:
+            out[f"speedup_vs_{name}"] = round(tok_s / (other.decode_tokens / other.decode_time), 3)
+    return out
+
+
+def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_size: int,
+              max_tokens: int, warmup: int, chat: bool = True) -> dict[str, Any]:
+    """Run every method on ``prompts`` and return the report (one JSON-able dict)."""
+    import transformers
+
+    from dspark.models.loader import load_tokenizer, resolve_model_folder
+
+    t_start = time.perf_counter()
+    folder = resolve_model_folder(cfg.model)
+    prompt_ids = encode_prompts(load_tokenizer(folder), prompts, chat)
+    runs: dict[str, MethodRun] = {}
+    errors: dict[str, str] = {}
+    for method in methods:
+        print(f"[bench] {method} ...", file=sys.stderr, flush=True)
+        try:
+            if method == "hf":
+                runs[method] = run_hf(cfg, folder, prompt_ids, batch_size, max_tokens, warmup)
+            else:
+                mcfg = method_config(cfg, method)
+                runs[method] = run_engine(mcfg, prompt_ids, batch_size, max_tokens, warmup)
+        except Exception as e:  # noqa: BLE001 - one failing method must not sink the others
+            errors[method] = f"{type(e).__name__}: {e}"
+            print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
+        _free(cfg.resolved_device())
+    ref = {k: runs[k] for k in ("ar", "hf") if k in runs}
+    results = {m: ({"error": errors[m]} if m in errors else summarize(m, runs[m], ref)) for m in methods}
+    return {
+        "device": cfg.resolved_device(), "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
+        "model": folder, "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu_threads": torch.get_num_threads(), "batch_size": batch_size, "num_prompts": len(prompts),
+        "max_tokens": max_tokens, "warmup": warmup, "chat": chat,
+        "drafter": cfg.spec.drafter, "block_size": cfg.spec.block_size, "spec_policy": cfg.spec.policy,
+        "methods": results, "wall_s": round(time.perf_counter() - t_start, 2)}

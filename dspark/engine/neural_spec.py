@@ -1,0 +1,133 @@
+"""Speculation with a DSpark/DFlash block drafter: one drafter pass per step for every
+decoding request, a policy that picks verification lengths from the confidences, and
+the drafter's incremental context cache."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.config import SpecConfig
+from dspark.engine.attention import make_backend
+from dspark.engine.kv_cache import KVCache
+from dspark.engine.policy import make_policy
+from dspark.engine.sampling import sample, warp_logits
+from dspark.engine.sequence import Sequence
+from dspark.engine.spec import SpecRunner
+from dspark.models.drafters.checkpoint import load_drafter
+
+
+class NeuralSpecRunner(SpecRunner):
+    """Drives a BlockDrafter over the shared page pool with its own K/V tensors."""
+
+    name = "dspark"
+
+    def __init__(self, cfg: SpecConfig, engine, path: str):
+        super().__init__(cfg, engine)
+        self.drafter = load_drafter(path, engine.model, engine.dtype, engine.device)
+        dc = self.drafter.config
+        self.name = dc.kind
+        if cfg.block_size is not None and cfg.block_size > dc.num_drafts:
+            raise ValueError(f"block size {cfg.block_size} exceeds the {dc.num_drafts} tokens this drafter emits")
+        self.block_size = cfg.block_size or dc.num_drafts
+        self.capture_layers = tuple(dc.target_layer_ids)
+        pool = engine.pool
+        self.kv = KVCache(dc.num_hidden_layers, pool.num_pages, pool.page_size, dc.num_key_value_heads,
+                          dc.head_dim, engine.dtype, engine.device)
+        self.attn = make_backend(engine.config.attention_backend, engine.device)
+        cost = None
+        if cfg.policy == "load-aware":
+            from dspark.engine.profile import load_or_measure
+
+            cost = load_or_measure(engine)
+        self.policy = make_policy(cfg.policy, cfg.threshold, cost)
+        self._q: dict[int, torch.Tensor] = {}
+        self.last_conf: dict[int, list[float]] = {}
+
+    def max_tokens_for(self, seq: Sequence) -> int:
+        budget = self.draft_budget(seq)
+        return max(1 + budget, self.drafter.config.block_size) if budget else 1
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        self._q.clear()
+        active = [s for s in seqs if self.draft_budget(s) > 0]
+        if not active:
+            return {}
+        dc, dev = self.drafter.config, self.engine.device
+        B, nd, R = dc.block_size, dc.num_drafts, len(active)
+        items = [(s, [s.output_ids[-1]] + [dc.mask_token_id] * (B - 1)) for s in active]
+        batch, ids, pos = self.engine.runner.batch_layout(items, mask="full")
+        self.attn.plan(batch)
+        h = self.drafter.block_hidden(ids, pos, self.attn, self.kv).view(R, B, -1)
+        h = self.drafter.draft_hidden(h)
+        base = self.drafter.head(h)  # [R, nd, V]
+        greedy = all(s.params.greedy for s in active)
+        temp = torch.tensor([s.params.temperature for s in active], device=dev)
+        top_k = torch.tensor([s.params.top_k for s in active], device=dev)
+        top_p = torch.tensor([s.params.top_p for s in active], device=dev)
+        u = torch.full((R, nd), 0.5)
+        for r, s in enumerate(active):
+            if s.generator is not None:
+                u[r] = torch.rand(nd, generator=s.generator)
+        u = u.to(dev)
+        prev = torch.tensor([s.output_ids[-1] for s in active], device=dev)
+        tokens, probs, prevs = [], [], []
+        for k in range(nd):
+            prevs.append(prev)
+            logits = self.drafter.step_logits(base[:, k], prev)
+            if greedy:
+                prev = logits.argmax(-1)
+            else:
+                q = warp_logits(logits, temp, top_k, top_p)
+                prev = sample(q, u[:, k])
+                probs.append(q)
+            tokens.append(prev)
+        tokens_t = torch.stack(tokens, 1)
+        conf = self.drafter.confidence(h, torch.stack(prevs, 1))
+        conf = torch.sigmoid(conf) if conf is not None else self._acceptance_prior(R, nd)
+        budgets = [self.draft_budget(s) for s in active]
+        lengths = self.policy.choose(budgets, conf)
+        drafts = tokens_t.tolist()
+        out = {}
+        for r, s in enumerate(active):
+            self._proposed[s.seq_id] = nd
+            out[s.seq_id] = drafts[r][:lengths[r]]
+            if probs and not s.params.greedy:
+                self._q[s.seq_id] = torch.stack([p[r] for p in probs])
+        return out
+
+    def _acceptance_prior(self, R: int, nd: int) -> torch.Tensor:
+        """Without a confidence head, each position's running acceptance rate stands in."""
+        st = self.engine.spec_stats
+        rates = [(a + 1) / (v + 2) for a, v in zip(st.accepted_per_pos, st.verified_per_pos)]
+        rates = (rates + [0.5] * nd)[:nd]
+        return torch.tensor(rates).expand(R, nd)
+
+    def draft_probs(self, rows, K: int, V: int, proposals) -> torch.Tensor | None:
+        if not self._q or K == 0:
+            return None
+        q = torch.zeros(len(rows), K, V, device=self.engine.device)
+        for r, (seq, _, n, d) in enumerate(rows):
+            if not n:
+                continue
+            stored = self._q.get(seq.seq_id)
+            if stored is not None:
+                q[r, :n] = stored[:n]
+            else:  # a greedy request's draft is one-hot
+                q[r, torch.arange(n), torch.tensor(d, device=q.device)] = 1.0
+        return q
+
+    @torch.inference_mode()
+    def commit(self, ctx_rows, result) -> None:
+        rows, slots, positions = [], [], []
+        for seq, start, keep, first in ctx_rows:
+            if seq.is_finished or keep == 0:
+                continue
+            rows.extend(range(first, first + keep))
+            slots.extend(self.engine.pool.slots(seq.seq_id, start, start + keep))
+            positions.extend(range(start, start + keep))
+        if rows:
+            dev = self.engine.device
+            feats = result.feats[torch.tensor(rows, device=dev)]
+            self.drafter.write_context(feats, torch.tensor(positions, device=dev),
+                                       torch.tensor(slots, device=dev), self.kv)

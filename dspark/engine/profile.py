@@ -1,0 +1,63 @@
+"""Start-up profile of target pass cost against tokens per pass, cached per machine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import torch
+
+from dspark.config import SamplingParams
+from dspark.engine.policy import CostModel
+from dspark.engine.sequence import Sequence
+from dspark.models.loader import cache_dir
+
+LADDER = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def _key(engine) -> str:
+    raw = f"{engine.model_path}|{engine.device}|{engine.dtype}|{torch.get_num_threads()}|{engine.attn.name}"
+    if engine.device.type == "cuda":
+        raw += "|" + torch.cuda.get_device_name(engine.device)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def measure(engine, ladder: list[int] = LADDER, repeats: int = 3) -> CostModel:
+    """Median seconds of a target pass with n tokens spread over up to 16 short sequences."""
+    seqs = [Sequence(seq_id=-1 - i, request_id=f"profile-{i}", prompt_ids=[0] * 64,
+                     params=SamplingParams(), generator=None, eos_ids=frozenset()) for i in range(16)]
+    for s in seqs:
+        engine.pool.reserve(s.seq_id, 64 + max(ladder))
+        s.num_cached = 64
+    seconds = []
+    try:
+        for n in ladder:
+            per = [n // 16 + (i < n % 16) for i in range(16)] if n >= 16 else [1] * n
+            items = [(s, [0] * k) for s, k in zip(seqs, per) if k]
+            times = []
+            for _ in range(repeats + 1):
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                engine.runner.forward(items, [0])
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+    finally:
+        for s in seqs:
+            engine.pool.free(s.seq_id)
+    return CostModel(list(ladder), seconds)
+
+
+def load_or_measure(engine) -> CostModel:
+    """The cached profile for this model and machine, measuring it the first time."""
+    path = cache_dir() / f"cost-{_key(engine)}.json"
+    if path.exists():
+        d = json.loads(path.read_text())
+        return CostModel(d["tokens"], d["seconds"])
+    cost = measure(engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"tokens": cost.tokens, "seconds": cost.seconds}))
+    return cost

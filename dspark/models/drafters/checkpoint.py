@@ -1,0 +1,89 @@
+"""Drafter checkpoints: load the DeepSpec DSpark and z-lab DFlash layouts, save DSpark's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.models.drafters.dspark import BlockDrafter, DrafterConfig
+from dspark.models.llama import LlamaConfig
+
+
+def check_fits(dc: DrafterConfig, tc: LlamaConfig, fc_in: int) -> None:
+    """Refuse a drafter built for another target, naming the mismatch."""
+    problems = []
+    if dc.vocab_size != tc.vocab_size:
+        problems.append(f"vocab {dc.vocab_size} != target vocab {tc.vocab_size}")
+    if fc_in != len(dc.target_layer_ids) * tc.hidden_size:
+        problems.append(f"fc expects {fc_in} features but {len(dc.target_layer_ids)} target layers of "
+                        f"hidden size {tc.hidden_size} give {len(dc.target_layer_ids) * tc.hidden_size}")
+    bad = [i for i in dc.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's {tc.num_hidden_layers} layers")
+    if dc.num_target_layers not in (None, tc.num_hidden_layers):
+        problems.append(f"trained for a {dc.num_target_layers}-layer target, this one has {tc.num_hidden_layers}")
+    if not 0 <= dc.mask_token_id < tc.vocab_size:
+        problems.append(f"mask_token_id {dc.mask_token_id} outside the vocabulary")
+    if problems:
+        raise ValueError("drafter does not fit the target model: " + "; ".join(problems))
+
+
+def _to_module_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {k.removeprefix("model."): v for k, v in sd.items()}
+    for key in [k for k in out if k.endswith("mlp.gate_proj.weight")]:
+        pre = key.removesuffix("gate_proj.weight")
+        out[pre + "gate_up_proj.weight"] = torch.cat([out.pop(key), out.pop(pre + "up_proj.weight")])
+    return out
+
+
+def load_drafter(path: str | Path, target, dtype: torch.dtype, device: str | torch.device) -> BlockDrafter:
+    """Load a drafter folder (config.json + *.safetensors) and attach it to the target model."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    files = sorted(path.glob("*.safetensors"))
+    if not cfg_file.exists() or not files:
+        raise ValueError(f"drafter folder {path} needs config.json and model.safetensors")
+    dc = DrafterConfig.from_hf(json.loads(cfg_file.read_text()))
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    sd = _to_module_names(sd)
+    if "fc.weight" not in sd:
+        raise ValueError(f"{path} is not a DSpark/DFlash drafter (no fc.weight)")
+    check_fits(dc, target.config, sd["fc.weight"].shape[1])
+    if dc.hidden_size != target.config.hidden_size and ("embed_tokens.weight" not in sd or "lm_head.weight" not in sd):
+        raise ValueError(f"drafter hidden size {dc.hidden_size} differs from the target's "
+                         f"{target.config.hidden_size} and it has no embed_tokens/lm_head of its own")
+    model = BlockDrafter(dc, target.config.hidden_size, own_embed="embed_tokens.weight" in sd,
+                         own_head="lm_head.weight" in sd)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"drafter checkpoint {path} does not match its config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.attach(target)
+    return model.to(device, dtype).eval()
+
+
+def drafter_state_dict(model: BlockDrafter) -> dict[str, torch.Tensor]:
+    """State dict in the DSpark layout (separate gate/up), without shared target weights."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("mlp.gate_up_proj.weight"):
+            gate, up = v.chunk(2)
+            pre = k.removesuffix("gate_up_proj.weight")
+            out[pre + "gate_proj.weight"], out[pre + "up_proj.weight"] = gate, up
+        else:
+            out[k] = v
+    return {k: v.detach().contiguous().cpu() for k, v in out.items()}
+
+
+def save_drafter(model: BlockDrafter, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    """Write config.json + model.safetensors in the DSpark layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in drafter_state_dict(model).items()}
+    save_file(sd, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")

@@ -1,0 +1,214 @@
+"""The DSpark block drafter (and DFlash, the same backbone without its two heads).
+
+One forward over [anchor, MASK x (B-1)] per request: queries come from the block,
+keys/values from [context; block] with no causal mask inside the block. The context
+is the target's hidden states at `target_layer_ids`, fused by fc -> hidden_norm and
+projected by each layer's k/v into the drafter's own paged cache, incrementally.
+DSpark reads a draft from every slot (slot k predicts the token k+1 after the anchor)
+and couples neighbours with a low-rank Markov head; DFlash drops the anchor slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from dspark.models.llama import MLP, RMSNorm, Rotary, apply_rotary
+
+
+@dataclass
+class DrafterConfig:
+    """Drafter hyper-parameters, read from a DSpark (DeepSpec) or DFlash (z-lab) config.json."""
+
+    kind: str  # "dspark" | "dflash"
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int | None = None
+    markov_rank: int = 0
+    confidence_head: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens one forward emits."""
+        return self.block_size if self.kind == "dspark" else self.block_size - 1
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> DrafterConfig:
+        archs = cfg.get("architectures") or []
+        dflash = cfg.get("dflash_config")
+        kind = "dflash" if any("DFlash" in a for a in archs) or (dflash is not None and "markov_rank" not in cfg) \
+            else "dspark"
+        sub = dflash or {}
+        heads = cfg["num_attention_heads"]
+        layer_ids = cfg.get("target_layer_ids") or sub.get("target_layer_ids")
+        mask_id = cfg.get("mask_token_id", sub.get("mask_token_id"))
+        if layer_ids is None or mask_id is None or "block_size" not in cfg:
+            raise ValueError("drafter config.json needs block_size, mask_token_id and target_layer_ids")
+        rope = cfg.get("rope_parameters") or {}
+        return cls(
+            kind=kind, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab_size=cfg["vocab_size"],
+            block_size=cfg["block_size"], mask_token_id=mask_id, target_layer_ids=list(layer_ids),
+            num_target_layers=cfg.get("num_target_layers"),
+            markov_rank=cfg.get("markov_rank", 0) if kind == "dspark" else 0,
+            confidence_head=bool(cfg.get("enable_confidence_head", kind == "dspark")) and kind == "dspark",
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"))
+
+    def to_hf(self) -> dict:
+        """config.json in the DeepSpec DSpark layout."""
+        d = asdict(self)
+        d.pop("kind"), d.pop("extra")
+        d["enable_confidence_head"] = d.pop("confidence_head")
+        d.update(architectures=["DSparkDraftModel"], model_type="qwen3", markov_head_type="vanilla",
+                  confidence_head_with_markov=self.markov_rank > 0, tie_word_embeddings=False, **self.extra)
+        return d
+
+
+class DraftAttention(nn.Module):
+    """Block queries over [paged context K/V; block K/V], Qwen3-style q/k norms."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        H = c.hidden_size
+        self.q_proj = nn.Linear(H, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.scale = self.hd ** -0.5
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(n, self.nkv, self.hd))
+        return apply_rotary(k, cos, sin), self.v_proj(x).view(n, self.nkv, self.hd)
+
+    def forward(self, x, cos, sin, attn, k_cache, v_cache):
+        n = x.shape[0]
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(n, self.nh, self.hd)), cos, sin)
+        k, v = self.kv(x, cos, sin)
+        return self.o_proj(attn.forward(q, k, v, k_cache, v_cache, self.scale).reshape(n, -1))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm block layer; the context enters only through the cached K/V."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, h, cos, sin, attn, k_cache, v_cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MarkovHead(nn.Module):
+    """Low-rank bigram bias: logits_k += W2(W1[x_{k-1}])."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+    def forward(self, prev: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(prev))
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = sigmoid(proj([h_k ; W1[x_{k-1}]])): will draft token k survive verification?"""
+
+    def __init__(self, in_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(in_dim, 1)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.proj(feats).squeeze(-1)
+
+
+class BlockDrafter(nn.Module):
+    """DSpark / DFlash backbone + heads. embed_tokens / lm_head are the target's unless owned."""
+
+    def __init__(self, c: DrafterConfig, target_hidden: int, own_embed: bool = False, own_head: bool = False):
+        super().__init__()
+        self.config = c
+        m = len(c.target_layer_ids)
+        self.fc = nn.Linear(m * target_hidden, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own_embed else None
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if own_head else None
+        self.markov_head = MarkovHead(c.vocab_size, c.markov_rank) if c.markov_rank > 0 else None
+        conf_in = c.hidden_size + (c.markov_rank if c.markov_rank > 0 else 0)
+        self.confidence_head = ConfidenceHead(conf_in) if c.confidence_head else None
+        # the target's embedding and head, kept in a tuple so they are not registered as ours
+        self._shared: tuple[nn.Module, nn.Module] | None = None
+
+    def attach(self, target) -> None:
+        """Share the target's embedding and LM head where the checkpoint has none."""
+        self._shared = (target.embed_tokens, target.lm_head)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.embed_tokens if self.embed_tokens is not None else self._shared[0])(ids)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return (self.lm_head if self.lm_head is not None else self._shared[1])(h).float()
+
+    def context(self, feats: torch.Tensor) -> torch.Tensor:
+        """Fused context features from the target's concatenated layer outputs."""
+        return self.hidden_norm(self.fc(feats))
+
+    def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv) -> None:
+        """Project new context positions into every layer's cached K/V."""
+        ctx = self.context(feats)
+        cos, sin = self.rotary(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            kv.k[i].index_copy_(0, slots, k)
+            kv.v[i].index_copy_(0, slots, v)
+
+    def block_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attn, kv) -> torch.Tensor:
+        """Run the block tokens (attn planned with mask "full") -> final normed hidden."""
+        h = self.embed(ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, attn, kv.k[i], kv.v[i])
+        return self.norm(h)
+
+    def draft_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """[R, B, H] block outputs -> [R, num_drafts, H]: the slots that carry drafts."""
+        return h if self.config.kind == "dspark" else h[:, 1:]
+
+    def step_logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Logits of one draft slot given the previous token (Markov bias when present)."""
+        return base if self.markov_head is None else base + self.markov_head(prev).float()
+
+    def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """Confidence logits [..] for draft slots given their previous tokens."""
+        if self.confidence_head is None:
+            return None
+        feats = h if self.markov_head is None else torch.cat([h, self.markov_head.markov_w1(prev)], -1)
+        return self.confidence_head(feats).float()

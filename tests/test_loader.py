@@ -281,3 +281,9 @@ def test_unsupported_architecture(tmp_path, monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'phi3'"):
         loader.resolve_model_folder(str(src))
     assert not list((tmp_path / "cache").iterdir())  # the failed temp folder is cleaned up
+
+
+def test_load_tokenizer_missing(tmp_path) -> None:  # noqa: ANN001
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ModelLoadError, match="cannot load a tokenizer"):
+        loader.load_tokenizer(str(tmp_path))

@@ -20,9 +20,10 @@ from dspark.engine.attention import make_backend
 from dspark.engine.detokenizer import decode_new_text, find_stop
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.model_runner import ModelRunner
-from dspark.engine.sampling import accept_chain, warp_logits
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.spec import SpecRunner
+from dspark.engine.tree import DraftTree
+from dspark.engine.verify import Work, accept, layout
 from dspark.models.llama import LlamaConfig, LlamaModel
 from dspark.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model_folder
 
@@ -123,25 +124,21 @@ class Engine:
         if not decode and not prefill:
             return self._drain_finished([])
         proposals = self.spec.propose(decode) if decode else {}
-        items, logit_rows, plans = [], [], []
+        works = []
         for seq in decode:
-            drafts = proposals.get(seq.seq_id, [])
-            anchor = seq.output_ids[-1]
-            start = sum(len(t) for _, t in items)
-            items.append((seq, [anchor] + drafts))
-            logit_rows.extend(range(start, start + 1 + len(drafts)))
-            plans.append((seq, "decode", len(drafts), drafts))
+            prop = proposals.get(seq.seq_id)
+            tree = prop if isinstance(prop, DraftTree) else None
+            drafts = [] if tree is not None else list(prop or [])
+            body = tree.tokens if tree is not None else drafts
+            works.append(Work(seq, "decode", [seq.output_ids[-1]] + body, drafts, tree, samples=True))
         for seq, n in prefill:
-            toks = seq.all_ids[seq.num_cached:seq.num_cached + n]
-            start = sum(len(t) for _, t in items)
-            done = seq.num_cached + n == seq.prefill_target and not seq.output_ids
-            items.append((seq, toks))
-            if done:
-                logit_rows.append(start + n - 1)
-            plans.append((seq, "prefill", n, []))
-        result = self.runner.forward(items, logit_rows, capture=self.spec.capture_layers)
-        touched = self._accept_and_commit(plans, result, proposals)
-        return self._drain_finished(touched)
+            final = seq.num_cached + n == seq.prefill_target and not seq.output_ids
+            works.append(Work(seq, "prefill", seq.all_ids[seq.num_cached:seq.num_cached + n], samples=final))
+        items, rows, mask, masks, positions = layout(works)
+        result = self.runner.forward(items, rows, capture=self.spec.capture_layers, mask=mask,
+                                     custom_masks=masks, positions=positions)
+        accept(works, result.logits, self.spec)
+        return self._drain_finished(self._commit(works, result))
 
     def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         cfg = self.config
@@ -204,59 +201,37 @@ class Engine:
         seq.status = Status.WAITING
         self.waiting.insert(0, seq)
 
-    def _accept_and_commit(self, plans, result, proposals) -> list[Sequence]:
-        rows = [(seq, kind, n, d) for seq, kind, n, d in plans if kind == "decode" or (
-            kind == "prefill" and seq.num_cached + n == seq.prefill_target and not seq.output_ids)]
-        touched = []
-        n_acc_list: dict[int, int] = {}
-        if rows:
-            K = max(len(d) for *_, d in rows)
-            R, V = len(rows), result.logits.shape[-1]
-            logits = result.logits.new_full((R, K + 1, V), 0.0)
-            lens = torch.zeros(R, dtype=torch.long)
-            drafts = torch.zeros(R, max(K, 1), dtype=torch.long)
-            at = 0
-            for r, (*_, d) in enumerate(rows):
-                k = len(d)
-                logits[r, :k + 1] = result.logits[at:at + k + 1]
-                at += k + 1
-                lens[r] = k
-                if k:
-                    drafts[r, :k] = torch.tensor(d)
-            temp = torch.tensor([s.params.temperature for s, *_ in rows])
-            top_k = torch.tensor([s.params.top_k for s, *_ in rows])
-            top_p = torch.tensor([s.params.top_p for s, *_ in rows])
-            p = warp_logits(logits, temp[:, None].expand(R, K + 1), top_k[:, None].expand(R, K + 1),
-                            top_p[:, None].expand(R, K + 1))
-            q = self.spec.draft_probs(rows, K, p.shape[-1], proposals)
-            u_acc = torch.full((R, max(K, 1)), 0.5)
-            u_smp = torch.full((R,), 0.5)
-            for r, (seq, *_) in enumerate(rows):
-                if seq.generator is not None:
-                    u = torch.rand(K + 1, generator=seq.generator)
-                    u_acc[r, :K], u_smp[r] = u[:K], u[K]
-            n_acc, nxt = accept_chain(p, drafts[:, :K], q, lens, u_acc[:, :K], u_smp)
-            for r, (seq, kind, n, d) in enumerate(rows):
-                a = int(n_acc[r])
-                n_acc_list[seq.seq_id] = a
-                committed = self._append_tokens(seq, d[:a] + [int(nxt[r])])
-                if kind == "decode":
-                    for st in (seq.stats, self.spec_stats):
-                        st.record(self.spec.num_proposed(seq), n, a, committed)
-        # cache bookkeeping: cached tokens grow by the prefill chunk or by anchor + accepted drafts
+    def _commit(self, works: list[Work], result) -> list[Sequence]:
+        """Append accepted tokens, keep the accepted positions' K/V, feed the drafter's context."""
+        for w in works:
+            if w.new_tokens:
+                committed = self._append_tokens(w.seq, w.new_tokens)
+                if w.kind == "decode":
+                    a = len(w.kept_rows) - 1
+                    for st in (w.seq.stats, self.spec_stats):
+                        st.record(self.spec.num_proposed(w.seq), w.num_verified, a, committed)
         ctx_rows = []
-        for (seq, kind, n, _), start in zip(plans, result.row_starts):
-            keep = n if kind == "prefill" else 1 + n_acc_list.get(seq.seq_id, 0)
-            ctx_rows.append((seq, seq.num_cached, keep, start))
+        for w in works:
+            seq, start = w.seq, w.seq.num_cached
+            keep = len(w.kept_rows)
+            if not seq.is_finished and w.kept_rows != list(range(keep)):
+                self._compact(seq, start, w.kept_rows)
+            ctx_rows.append((seq, start, [w.first_row + r for r in w.kept_rows]))
             seq.num_cached += keep
-            touched.append(seq)
         self.spec.commit(ctx_rows, result)
-        for seq in touched:
-            if seq.is_finished:
-                continue
-            self.pool.truncate(seq.seq_id, seq.num_cached)
-            self.pool.tables[seq.seq_id].num_tokens = seq.num_cached
-        return touched
+        for w in works:
+            if not w.seq.is_finished:
+                self.pool.truncate(w.seq.seq_id, w.seq.num_cached)
+                self.pool.tables[w.seq.seq_id].num_tokens = w.seq.num_cached
+        return [w.seq for w in works]
+
+    def _compact(self, seq: Sequence, start: int, kept: list[int]) -> None:
+        """Move the accepted tree path's K/V to consecutive positions after the anchor."""
+        src = torch.tensor(self.pool.slots_at(seq.seq_id, [start + r for r in kept]), device=self.device)
+        dst = torch.tensor(self.pool.slots(seq.seq_id, start, start + len(kept)), device=self.device)
+        kv = self.runner.kv
+        kv.k[:, dst] = kv.k[:, src]
+        kv.v[:, dst] = kv.v[:, src]
 
     def _append_tokens(self, seq: Sequence, new: list[int]) -> int:
         """Commit sampled tokens, stopping exactly where plain decoding would."""

@@ -81,8 +81,11 @@ class PagePool:
 
     def slots(self, seq_id: int, start: int, end: int) -> list[int]:
         """Flat slot ids (page * page_size + offset) for positions [start, end)."""
+        return self.slots_at(seq_id, range(start, end))
+
+    def slots_at(self, seq_id: int, positions) -> list[int]:
         pages, ps = self.tables[seq_id].pages, self.page_size
-        return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+        return [pages[p // ps] * ps + p % ps for p in positions]
 
 
 class KVCache:

@@ -13,6 +13,7 @@ from dspark.engine.policy import make_policy
 from dspark.engine.sampling import sample, warp_logits
 from dspark.engine.sequence import Sequence
 from dspark.engine.spec import SpecRunner
+from dspark.engine.tree import DraftTree, build_trees
 from dspark.models.drafters.checkpoint import load_drafter
 
 
@@ -45,7 +46,10 @@ class NeuralSpecRunner(SpecRunner):
 
     def max_tokens_for(self, seq: Sequence) -> int:
         budget = self.draft_budget(seq)
-        return max(1 + budget, self.drafter.config.block_size) if budget else 1
+        if not budget:
+            return 1
+        nodes = self.cfg.tree_budget if self.cfg.tree else budget
+        return max(1 + nodes, self.drafter.config.block_size)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
@@ -61,6 +65,8 @@ class NeuralSpecRunner(SpecRunner):
         h = self.drafter.block_hidden(ids, pos, self.attn, self.kv).view(R, B, -1)
         h = self.drafter.draft_hidden(h)
         base = self.drafter.head(h)  # [R, nd, V]
+        if self.cfg.tree:
+            return self._propose_trees(active, base)
         greedy = all(s.params.greedy for s in active)
         temp = torch.tensor([s.params.temperature for s in active], device=dev)
         top_k = torch.tensor([s.params.top_k for s in active], device=dev)
@@ -96,6 +102,18 @@ class NeuralSpecRunner(SpecRunner):
                 self._q[s.seq_id] = torch.stack([p[r] for p in probs])
         return out
 
+    def _propose_trees(self, active: list[Sequence], base: torch.Tensor) -> dict[int, DraftTree]:
+        """Top-k children per node through the Markov head, pruned to the node budget.
+        Children are tried as one-hot proposals, so no q is kept."""
+        anchors = torch.tensor([s.output_ids[-1] for s in active], device=base.device)
+        depth = [self.draft_budget(s) for s in active]
+        markov = self.drafter.markov_head
+        trees = build_trees(base[:, :max(depth)], anchors, markov, [self.cfg.tree_budget] * len(active),
+                            depth, self.cfg.tree_topk)
+        for s in active:
+            self._proposed[s.seq_id] = self.cfg.tree_budget
+        return {s.seq_id: t for s, t in zip(active, trees)}
+
     def _acceptance_prior(self, R: int, nd: int) -> torch.Tensor:
         """Without a confidence head, each position's running acceptance rate stands in."""
         st = self.engine.spec_stats
@@ -120,12 +138,12 @@ class NeuralSpecRunner(SpecRunner):
     @torch.inference_mode()
     def commit(self, ctx_rows, result) -> None:
         rows, slots, positions = [], [], []
-        for seq, start, keep, first in ctx_rows:
-            if seq.is_finished or keep == 0:
+        for seq, start, kept in ctx_rows:
+            if seq.is_finished or not kept:
                 continue
-            rows.extend(range(first, first + keep))
-            slots.extend(self.engine.pool.slots(seq.seq_id, start, start + keep))
-            positions.extend(range(start, start + keep))
+            rows.extend(kept)
+            slots.extend(self.engine.pool.slots(seq.seq_id, start, start + len(kept)))
+            positions.extend(range(start, start + len(kept)))
         if rows:
             dev = self.engine.device
             feats = result.feats[torch.tensor(rows, device=dev)]

@@ -51,4 +51,4 @@ class SpecRunner:
         return None
 
     def commit(self, ctx_rows, result) -> None:
-        """Called after each forward with (seq, start position, kept count, first row)."""
+        """Called after each forward with (seq, first new position, batch rows kept there in order)."""

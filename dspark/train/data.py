@@ -1,0 +1,241 @@
+"""Self-distillation data: the target writes the responses the drafter learns from.
+
+Prompts come from jsonl (`prompt`: one user turn, or `turns`: a list of user turns, of which
+the first is used). The target's chat template is applied, then the target generates a
+response: greedy for most prompts, sampled at temperature 0.7 for a share of them (default
+25%, chosen per prompt from the seed). Only token ids are stored, in shards
+`<dir>/shard_00000.safetensors` holding `tokens` (int32, all sequences concatenated),
+`offsets` (int64 [n+1]), `prompt_lens` (int32 [n]: positions >= prompt_len are the response),
+`prompt_index` (int64 [n]) and `sampled` (uint8 [n]); category names in the metadata.
+Shard i covers prompts [i*S, (i+1)*S) of the file order; a shard already on disk is skipped,
+so an interrupted run resumes where it stopped. Size: 4 bytes a token (~1 KB a sequence).
+
+Backends: "engine" (our continuous-batching engine, the default on CPU) or "hf" (transformers
+`generate` with left padding, the default on CUDA, where it is faster than the engine's
+pure-torch attention). Either way the text is the target's own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """[{id, category, messages}] from a jsonl file with `prompt` or `turns` per line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            text = d.get("prompt")
+            if text is None and d.get("turns"):
+                t = d["turns"][0]
+                text = t if isinstance(t, str) else t.get("content")
+            if not text:
+                raise ValueError(f"{path}:{i + 1}: needs a 'prompt' or 'turns'")
+            out.append({"id": d.get("id", str(i)), "category": d.get("category", "all"),
+                        "messages": [{"role": "user", "content": text}]})
+            if limit and len(out) >= limit:
+                break
+    return out
+
+
+@dataclass
+class GenSettings:
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 768
+    sample_share: float = 0.25
+    temperature: float = 0.7
+    seed: int = 0
+    shard_size: int = 1024
+    batch_size: int = 64
+    backend: str = "auto"  # auto | engine | hf
+
+
+def _is_sampled(i: int, s: GenSettings) -> bool:
+    g = torch.Generator().manual_seed(s.seed * 1_000_003 + i)
+    return bool(torch.rand(1, generator=g).item() < s.sample_share)
+
+
+class _EngineGen:
+    def __init__(self, model, device, dtype, s: GenSettings):
+        from dspark.llm import LLM
+
+        ctx = s.max_prompt_tokens + s.max_new_tokens + 16
+        self.llm = LLM(model=model, drafter="none", device=device, dtype=dtype, max_num_seqs=s.batch_size,
+                       kv_cache_tokens=max(65536, s.batch_size * ctx), max_num_batched_tokens=4096)
+        self.tok = self.llm.tokenizer
+
+    def __call__(self, prompt_ids: list[list[int]], temps: list[float], seeds: list[int], s: GenSettings):
+        from dspark.config import SamplingParams
+
+        params = [SamplingParams(temperature=t, max_tokens=s.max_new_tokens, seed=sd) for t, sd in zip(temps, seeds)]
+        return [o.token_ids for o in self.llm.generate(prompt_ids, params)]
+
+
+class _HFGen:
+    def __init__(self, model, device, dtype, s: GenSettings):
+        from transformers import AutoModelForCausalLM
+
+        from dspark.models.loader import load_tokenizer, resolve_model_folder
+
+        folder = resolve_model_folder(model)
+        self.tok = load_tokenizer(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).to(device).eval()
+        self.device = device
+        eos = self.model.generation_config.eos_token_id
+        self.eos = set([eos] if isinstance(eos, int) else (eos or [])) | {self.tok.eos_token_id}
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+
+    @torch.inference_mode()
+    def __call__(self, prompt_ids, temps, seeds, s: GenSettings):
+        out = [None] * len(prompt_ids)
+        for temp in sorted(set(temps)):
+            idx = [i for i, t in enumerate(temps) if t == temp]
+            idx.sort(key=lambda i: len(prompt_ids[i]))
+            for j in range(0, len(idx), s.batch_size):
+                chunk = idx[j:j + s.batch_size]
+                L = max(len(prompt_ids[i]) for i in chunk)
+                ids = torch.full((len(chunk), L), self.pad, dtype=torch.long)
+                att = torch.zeros_like(ids)
+                for r, i in enumerate(chunk):
+                    p = prompt_ids[i]
+                    ids[r, L - len(p):] = torch.tensor(p)
+                    att[r, L - len(p):] = 1
+                torch.manual_seed(seeds[chunk[0]])
+                kw = dict(do_sample=True, temperature=temp, top_k=0, top_p=1.0) if temp > 0 else dict(do_sample=False)
+                gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
+                                          max_new_tokens=s.max_new_tokens, pad_token_id=self.pad, **kw)
+                for r, i in enumerate(chunk):
+                    resp = []
+                    for t in gen[r, L:].tolist():
+                        resp.append(t)
+                        if t in self.eos:
+                            break
+                    out[i] = resp
+        return out
+
+
+def make_generator(model, device: str, dtype: torch.dtype, s: GenSettings):
+    backend = s.backend
+    if backend == "auto":
+        backend = "hf" if str(device).startswith("cuda") else "engine"
+    return (_HFGen if backend == "hf" else _EngineGen)(model, device, dtype, s)
+
+
+def shard_path(data_dir: Path, i: int) -> Path:
+    return Path(data_dir) / f"shard_{i:05d}.safetensors"
+
+
+def generate_dataset(prompts_file: str, data_dir: str | Path, num_prompts: int | None, model: str | None,
+                     device: str, dtype: torch.dtype, s: GenSettings, progress: bool = True) -> dict:
+    """Write the missing shards; return stats (sequences, tokens, seconds)."""
+    from tqdm import tqdm
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    prompts = read_prompts(prompts_file, num_prompts)
+    n_shards = -(-len(prompts) // s.shard_size)
+    todo = [i for i in range(n_shards) if not shard_path(data_dir, i).exists()]
+    meta = {"prompts_file": str(prompts_file), "num_prompts": len(prompts), "shard_size": s.shard_size,
+            "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens,
+            "sample_share": s.sample_share, "temperature": s.temperature, "seed": s.seed,
+            "model": model or "default (SmolLM2-135M-Instruct)"}
+    (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    t0 = time.perf_counter()
+    stats = {"shards_written": 0, "sequences": 0, "tokens": 0, "skipped_long": 0}
+    if not todo:
+        return stats | {"seconds": 0.0}
+    gen = make_generator(model, device, dtype, s)
+    bar = tqdm(total=sum(min(s.shard_size, len(prompts) - i * s.shard_size) for i in todo),
+               desc="generating", unit="prompt", disable=not progress)
+    for si in todo:
+        lo, hi = si * s.shard_size, min(len(prompts), (si + 1) * s.shard_size)
+        keep, pids = [], []
+        for i in range(lo, hi):
+            out = gen.tok.apply_chat_template(prompts[i]["messages"], add_generation_prompt=True, tokenize=True)
+            ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+            if len(ids) > s.max_prompt_tokens:
+                stats["skipped_long"] += 1
+                continue
+            keep.append(i)
+            pids.append(ids)
+        temps = [s.temperature if _is_sampled(i, s) else 0.0 for i in keep]
+        seeds = [s.seed * 1_000_003 + i for i in keep]
+        resps = []
+        for j in range(0, len(keep), s.batch_size * 4):  # bounded work per call, live progress
+            resps += gen(pids[j:j + s.batch_size * 4], temps[j:j + s.batch_size * 4],
+                         seeds[j:j + s.batch_size * 4], s)
+            bar.update(min(s.batch_size * 4, len(keep) - j))
+        bar.update((hi - lo) - len(keep))
+        seqs = [p + r for p, r in zip(pids, resps)]
+        arrays = {
+            "tokens": np.concatenate([np.asarray(x, dtype=np.int32) for x in seqs]) if seqs
+            else np.zeros(0, np.int32),
+            "offsets": np.cumsum([0] + [len(x) for x in seqs]).astype(np.int64),
+            "prompt_lens": np.asarray([len(p) for p in pids], dtype=np.int32),
+            "prompt_index": np.asarray(keep, dtype=np.int64),
+            "sampled": np.asarray([t > 0 for t in temps], dtype=np.uint8),
+        }
+        cats = json.dumps([prompts[i]["category"] for i in keep])
+        tmp = shard_path(data_dir, si).with_suffix(".tmp")
+        save_file(arrays, str(tmp), metadata={"categories": cats})
+        os.replace(tmp, shard_path(data_dir, si))
+        stats["shards_written"] += 1
+        stats["sequences"] += len(seqs)
+        stats["tokens"] += int(arrays["tokens"].size)
+    bar.close()
+    return stats | {"seconds": round(time.perf_counter() - t0, 2)}
+
+
+class TokenDataset:
+    """All shards of a data folder in memory (int32), with padded batch assembly."""
+
+    def __init__(self, data_dir: str | Path, max_len: int | None = None):
+        self.seqs: list[np.ndarray] = []
+        self.prompt_lens: list[int] = []
+        files = sorted(Path(data_dir).glob("shard_*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no shard_*.safetensors in {data_dir}")
+        for f in files:
+            d = load_file(str(f))
+            off = d["offsets"]
+            for j in range(len(d["prompt_lens"])):
+                seq = d["tokens"][off[j]:off[j + 1]]
+                p = int(d["prompt_lens"][j])
+                if max_len:
+                    seq = seq[:max_len]
+                if len(seq) - p >= 2:  # at least one anchor with a next token
+                    self.seqs.append(seq)
+                    self.prompt_lens.append(p)
+        if not self.seqs:
+            raise ValueError(f"no usable sequences in {data_dir}")
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def num_tokens(self) -> int:
+        return int(sum(len(s) for s in self.seqs))
+
+    def batch(self, idx: list[int], pad_id: int, device) -> dict:
+        lens = [len(self.seqs[i]) for i in idx]
+        T = max(lens)
+        ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
+        resp = torch.zeros(len(idx), T, dtype=torch.bool)
+        for r, i in enumerate(idx):
+            ids[r, :lens[r]] = torch.from_numpy(self.seqs[i].astype(np.int64))
+            resp[r, self.prompt_lens[i]:lens[r]] = True
+        return {"ids": ids.to(device), "resp": resp.to(device), "lengths": torch.tensor(lens, device=device),
+                "lens": lens, "prompt_lens": [self.prompt_lens[i] for i in idx]}

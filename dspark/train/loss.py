@@ -1,0 +1,92 @@
+"""The DSpark training loss (REFERENCE.md, DSpark paper / DeepSpec):
+
+    loss = 0.1 * CE(draft logits, true next token)
+         + 0.9 * L1(p_d, p_t)                 (||p_d - p_t||_1 over the vocabulary, in [0, 2])
+         + 1.0 * BCEWithLogits(c, c*)         c* = clamp(1 - 0.5 * ||p_d - p_t||_1, 0, 1), detached
+
+Each term is weighted per block slot by exp(-k / gamma) (slot k = 0 predicts the token right
+after the anchor) and averaged over the supervised slots: sum_k w_k * l_k / #slots (the
+notebook's `(l * decay).mean()`). Draft logits are the Markov-corrected ones,
+U_k + W2(W1[x_{k-1}]) with teacher forcing (x_{k-1} = the true previous token, the anchor for
+k = 0); the confidence reads [h_k ; W1[x_{k-1}]] exactly as at inference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dspark.train.features import drafter_blocks, valid_slots
+
+LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # ce, l1, bce
+
+
+def decay_weights(block_size: int, gamma: float = 4.0, device=None) -> torch.Tensor:
+    """exp(-k / gamma) for k = 0..block_size-1."""
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / gamma)
+
+
+def target_c_star(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
+    """Analytic acceptance probability of a draft sampled from p_d under target p_t."""
+    return (1.0 - 0.5 * (p_d - p_t).abs().sum(-1)).clamp(0.0, 1.0)
+
+
+def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
+                conf_logits: torch.Tensor | None, slot: torch.Tensor, gamma: float = 4.0,
+                weights: tuple[float, float, float] = LOSS_WEIGHTS) -> tuple[torch.Tensor, dict]:
+    """Loss over N supervised slots: logits [N, V] (float32), labels [N], conf_logits [N] or None,
+    slot [N] (block position k of each row). Returns (total, parts as floats)."""
+    n = max(1, labels.numel())
+    w = torch.exp(-slot.float() / gamma)
+    logp_d = F.log_softmax(draft_logits.float(), -1)
+    p_d = logp_d.exp()
+    p_t = F.softmax(target_logits.float(), -1)
+    ce = F.cross_entropy(draft_logits.float(), labels, reduction="none")
+    l1 = (p_d - p_t).abs().sum(-1)
+    cstar = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+    ce_m, l1_m = (ce * w).sum() / n, (l1 * w).sum() / n
+    total = weights[0] * ce_m + weights[1] * l1_m
+    parts = {"ce": ce_m.detach(), "l1": l1_m.detach(), "cstar": cstar.mean()}
+    if conf_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), cstar, reduction="none")
+        bce_m = (bce * w).sum() / n
+        total = total + weights[2] * bce_m
+        parts["bce"] = bce_m.detach()
+    with torch.no_grad():
+        parts["acc"] = (draft_logits.argmax(-1) == labels).float().mean()
+    return total, parts
+
+
+def batch_loss(drafter, target_lm_head, feats: torch.Tensor, final_hidden: torch.Tensor,
+               tokens: torch.Tensor, lengths: torch.Tensor, resp_mask: torch.Tensor,
+               anchors: torch.Tensor, anchor_ok: torch.Tensor, gamma: float = 4.0,
+               chunk_rows: int = 0) -> tuple[torch.Tensor, dict]:
+    """Full DSpark loss for a batch: one multi-anchor drafter forward, LM heads only on the
+    supervised slots. feats/final_hidden come from features.target_features (no grad)."""
+    c = drafter.config
+    Bk = c.block_size
+    h = drafter_blocks(drafter, feats, tokens, anchors)  # [B, A, Bk, H]
+    ok = valid_slots(anchors, anchor_ok, lengths, resp_mask, Bk)  # [B, A, Bk]
+    b_idx, a_idx, k_idx = ok.nonzero(as_tuple=True)
+    if b_idx.numel() == 0:
+        zero = sum(p.sum() * 0 for p in drafter.parameters())
+        return zero, {"ce": zero.detach(), "l1": zero.detach(), "bce": zero.detach(),
+                      "cstar": zero.detach(), "acc": zero.detach(), "slots": 0}
+    pos = anchors[b_idx, a_idx] + k_idx  # position of slot k's input: predicts pos + 1
+    labels = tokens[b_idx, pos + 1]
+    prev = tokens[b_idx, pos]  # teacher forcing: x_{k-1} = tok[a+k] (the anchor for k = 0)
+    hs = h[b_idx, a_idx, k_idx]  # [N, H]
+    with torch.no_grad():
+        t_logits = target_lm_head(final_hidden[b_idx, pos]).float()
+    d_logits = drafter.step_logits(drafter.head(hs), prev)
+    conf = drafter.confidence(hs, prev)
+    total, parts = dspark_loss(d_logits, t_logits, labels, conf, k_idx, gamma)
+    parts["slots"] = int(b_idx.numel())
+    return total, parts
+
+
+def expected_tau(cstar_per_slot: torch.Tensor) -> float:
+    """1 + sum_k prod_{i<=k} c*_i for a [Bk] vector of mean acceptance rates (a rough tau)."""
+    return 1.0 + float(torch.cumprod(cstar_per_slot, 0).sum()) if cstar_per_slot.numel() else math.nan

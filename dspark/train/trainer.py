@@ -1,0 +1,284 @@
+"""The drafter trainer: frozen target -> features on the fly -> DSpark loss -> AdamW.
+
+Warmup + cosine learning rate, gradient accumulation, fp32 or bf16 autocast, CPU or CUDA.
+Batches and anchors are drawn from generators seeded by (seed, step), so a resumed run takes
+exactly the batches an uninterrupted one would. Checkpoints (`<out>/ckpt/`) hold the drafter
+(safetensors), AdamW moments (safetensors) and `state.json` (step, history, wall time): no
+pickle anywhere. The export is `save_drafter` in the DSpark layout without the target's
+embed_tokens / lm_head, which the drafter shares.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.models.drafters.checkpoint import save_drafter
+from dspark.models.drafters.dspark import BlockDrafter, DrafterConfig
+from dspark.train.data import TokenDataset
+from dspark.train.features import sample_anchors, target_features
+from dspark.train.loss import batch_loss
+
+SMOL_MASK_TOKEN = "<empty_output>"  # id 16 in SmolLM2: a Jupyter-dataset marker chat never emits
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 8  # sequences per micro-batch
+    grad_accum: int = 1
+    anchors_per_seq: int = 32
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 4.0
+    dtype: str = "fp32"  # fp32 | bf16 (autocast; master weights stay fp32)
+    device: str = "cpu"
+    seed: int = 0
+    save_every: int = 500
+    log_every: int = 10
+    max_len: int = 1024
+    time_budget_s: float | None = None  # stop cleanly (checkpoint + export) past this
+    deadline: float | None = None  # absolute time.time() at which to stop (set by the CLI)
+    export_dtype: str = "bf16"
+    progress: bool = True
+    drafter: dict = field(default_factory=dict)
+
+
+def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """`count` target layers spread evenly from 1 to L-3 (DFlash's default)."""
+    lo, hi = 1, max(1, num_layers - 3)
+    if count == 1:
+        return [hi]
+    return sorted({int(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
+
+
+def default_mask_token(tokenizer) -> int:
+    tid = tokenizer.convert_tokens_to_ids(SMOL_MASK_TOKEN)
+    if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
+        return tid
+    avoid = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    spare = [i for i in tokenizer.all_special_ids if i not in avoid]
+    return spare[-1] if spare else tokenizer.eos_token_id
+
+
+def make_drafter_config(tc, *, num_layers: int = 2, block_size: int = 8, markov_rank: int = 32,
+                        layer_ids: list[int] | None = None, mask_token_id: int = 0,
+                        intermediate_size: int | None = None) -> DrafterConfig:
+    """A DSpark drafter shaped like the target's layers (heads, head_dim, hidden)."""
+    return DrafterConfig(
+        kind="dspark", hidden_size=tc.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim, vocab_size=tc.vocab_size,
+        block_size=block_size, mask_token_id=mask_token_id,
+        target_layer_ids=layer_ids or default_layer_ids(tc.num_hidden_layers),
+        num_target_layers=tc.num_hidden_layers, markov_rank=markov_rank, confidence_head=True,
+        rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling)
+
+
+def new_drafter(dc: DrafterConfig, target, seed: int) -> BlockDrafter:
+    torch.manual_seed(seed)
+    d = BlockDrafter(dc, target.config.hidden_size)
+    if d.markov_head is not None:  # start as a pure parallel drafter (notebook section 8)
+        torch.nn.init.normal_(d.markov_head.markov_w1.weight, std=0.02)
+        torch.nn.init.zeros_(d.markov_head.markov_w2.weight)
+    d.attach(target)
+    return d
+
+
+def checkpoint_bytes(drafter: BlockDrafter, dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for p in drafter.parameters()) * size
+
+
+def load_target(model: str | None, device: str, dtype: torch.dtype):
+    from dspark.models.llama import LlamaConfig, LlamaModel
+    from dspark.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model_folder
+
+    folder = resolve_model_folder(model)
+    m = LlamaModel(LlamaConfig.from_hf(load_config(folder)))
+    m.load_hf_state_dict(load_state_dict(folder, dtype))
+    m = m.to(device, dtype).eval().requires_grad_(False)
+    return m, load_tokenizer(folder)
+
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+class Trainer:
+    """One training run in `out_dir`: resumes from `out_dir/ckpt` when present."""
+
+    def __init__(self, target, drafter: BlockDrafter, data: TokenDataset, cfg: TrainConfig,
+                 out_dir: str | Path, pad_id: int = 0):
+        self.target, self.drafter, self.data, self.cfg = target, drafter, data, cfg
+        self.out = Path(out_dir)
+        self.dev = torch.device(cfg.device)
+        self.pad_id = pad_id
+        self.drafter.to(self.dev, torch.float32).train()
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.names = [n for n, p in drafter.named_parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.ndim >= 2]
+        no_decay = [p for p in self.params if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.step = 0
+        self.elapsed = 0.0
+        self.history: list[dict] = []
+        self.amp = DTYPES[cfg.dtype] == torch.bfloat16
+
+    # ------------------------------------------------------------------ schedule, batches
+    def lr_at(self, step: int) -> float:
+        c = self.cfg
+        if step < c.warmup:
+            return c.lr * (step + 1) / c.warmup
+        t = (step - c.warmup) / max(1, c.steps - c.warmup)
+        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+    def batch_indices(self, micro: int) -> list[int]:
+        """Micro-batch `micro` of an endless sequence of seeded epoch permutations."""
+        n, bs = len(self.data), self.cfg.batch_size
+        out = []
+        pos = micro * bs
+        while len(out) < bs:
+            epoch, off = divmod(pos, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch))
+            take = perm[off:off + bs - len(out)].tolist()
+            out += take
+            pos += len(take)
+        return out
+
+    def micro_loss(self, micro: int) -> tuple[torch.Tensor, dict]:
+        c = self.cfg
+        b = self.data.batch(self.batch_indices(micro), self.pad_id, self.dev)
+        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + micro)
+        anchors, ok = sample_anchors(b["lens"], b["prompt_lens"], c.anchors_per_seq,
+                                     self.drafter.config.block_size, gen)
+        anchors, ok = anchors.to(self.dev), ok.to(self.dev)
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.amp):
+            with torch.no_grad():
+                feats, final = target_features(self.target, b["ids"], self.drafter.config.target_layer_ids)
+            return batch_loss(self.drafter, self.target.lm_head, feats, final, b["ids"], b["lengths"],
+                              b["resp"], anchors, ok, gamma=c.gamma)
+
+    def train_step(self) -> dict:
+        """One optimizer step (grad_accum micro-batches); returns the averaged loss parts."""
+        c = self.cfg
+        lr = self.lr_at(self.step)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        agg: dict[str, float] = {}
+        for j in range(c.grad_accum):
+            loss, parts = self.micro_loss(self.step * c.grad_accum + j)
+            (loss / c.grad_accum).backward()
+            agg["loss"] = agg.get("loss", 0.0) + float(loss.detach()) / c.grad_accum
+            for k, v in parts.items():
+                agg[k] = agg.get(k, 0.0) + float(v) / c.grad_accum
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        agg.update(lr=lr, grad_norm=float(gnorm))
+        return agg
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        ck = self.out / "ckpt"
+        tmp = self.out / "ckpt.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        sd = {k: v.detach().float().contiguous().cpu() for k, v in self.drafter.state_dict().items()}
+        save_file(sd, str(tmp / "drafter.safetensors"))
+        opt, steps = {}, {}
+        for name, p in zip(self.names, self.params):
+            st = self.opt.state.get(p)
+            if st:
+                opt[f"{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
+                opt[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
+                steps[name] = float(st["step"])
+        if opt:
+            save_file(opt, str(tmp / "optimizer.safetensors"))
+        state = {"step": self.step, "elapsed_s": self.elapsed, "adam_steps": steps, "history": self.history,
+                 "config": {k: v for k, v in asdict(self.cfg).items() if k != "deadline"}}
+        (tmp / "state.json").write_text(json.dumps(state) + "\n")
+        if ck.exists():
+            shutil.rmtree(ck)
+        os.replace(tmp, ck)
+        return ck
+
+    def load_checkpoint(self) -> bool:
+        ck = self.out / "ckpt"
+        if not (ck / "state.json").exists():
+            return False
+        state = json.loads((ck / "state.json").read_text())
+        sd = load_file(str(ck / "drafter.safetensors"))
+        self.drafter.load_state_dict({k: v.to(self.dev) for k, v in sd.items()})
+        if (ck / "optimizer.safetensors").exists():
+            opt = load_file(str(ck / "optimizer.safetensors"), device=str(self.dev))
+            for name, p in zip(self.names, self.params):
+                if f"{name}.exp_avg" in opt:
+                    self.opt.state[p] = {"step": torch.tensor(state["adam_steps"][name]),
+                                         "exp_avg": opt[f"{name}.exp_avg"],
+                                         "exp_avg_sq": opt[f"{name}.exp_avg_sq"]}
+        self.step, self.elapsed, self.history = state["step"], state["elapsed_s"], state["history"]
+        return True
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        from tqdm import tqdm
+
+        c = self.cfg
+        start = self.step
+        bar = tqdm(total=c.steps, initial=start, desc="train", unit="step", disable=not c.progress,
+                   dynamic_ncols=True)
+        t_last = time.perf_counter()
+        seqs_per_s, stopped = None, "steps"
+        run_avg: dict[str, float] = {}
+        while self.step < c.steps:
+            if c.deadline is not None and time.time() >= c.deadline:
+                stopped = "time budget"
+                break
+            parts = self.train_step()
+            now = time.perf_counter()
+            dt, t_last = now - t_last, now
+            self.elapsed += dt
+            for k, v in parts.items():
+                run_avg[k] = v if k not in run_avg else 0.9 * run_avg[k] + 0.1 * v
+            if self.step - start >= 2:  # skip warm-up steps in the speed estimate
+                sps = c.batch_size * c.grad_accum / dt
+                seqs_per_s = sps if seqs_per_s is None else 0.9 * seqs_per_s + 0.1 * sps
+            if self.step % c.log_every == 0 or self.step == c.steps:
+                rec = {"step": self.step, "elapsed_s": round(self.elapsed, 1)}
+                rec.update({k: round(v, 5) for k, v in parts.items()})
+                self.history.append(rec)
+            bar.set_postfix({k: f"{run_avg[k]:.3f}" for k in ("loss", "ce", "l1", "bce", "acc") if k in run_avg},
+                            refresh=False)
+            bar.update(1)
+            if c.save_every and self.step % c.save_every == 0 and self.step < c.steps:
+                self.save_checkpoint()
+        bar.close()
+        self.save_checkpoint()
+        return {"stopped_by": stopped, "seqs_per_s": seqs_per_s, "last": run_avg}
+
+    def export(self, path: str | Path, extra: dict | None = None) -> dict:
+        path = Path(path)
+        dt = DTYPES[self.cfg.export_dtype]
+        save_drafter(self.drafter, path, dtype=dt)
+        size = (path / "model.safetensors").stat().st_size
+        stats = {"steps": self.step, "total_steps": self.cfg.steps, "train_wall_s": round(self.elapsed, 1),
+                 "checkpoint_bytes": size, "export_dtype": self.cfg.export_dtype,
+                 "final": self.history[-1] if self.history else None,
+                 "drafter_config": self.drafter.config.to_hf(), "train_config":
+                 {k: v for k, v in asdict(self.cfg).items() if k not in ("deadline", "drafter")}}
+        stats.update(extra or {})
+        return stats

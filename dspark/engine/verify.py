@@ -109,7 +109,7 @@ def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
     if trees:
         R, N1 = len(trees), max(len(w.tokens) for w, _ in trees)
         lg = logits.new_zeros(R, N1, logits.shape[-1])
-        for r, (w, rows) in enumerate(trees):
+        for r, (_w, rows) in enumerate(trees):
             lg[r, :rows.shape[0]] = rows
         seqs = [w.seq for w, _ in trees]
         p = warp_logits(lg, *(x.to(dev) for x in _params(seqs, N1)))

@@ -35,6 +35,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction,
                    help="feed prompts as raw text instead of a user chat message")
     p.add_argument("--warmup", type=int, default=1, help="prompts run once before timing each method")
     p.add_argument("--output", default=None, help="also write the JSON report to this file")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -63,6 +65,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError("--threads must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
     path = args.prompts or default_prompts_path()
     if path is None:
         raise FileNotFoundError("no default prompts file (../shared/data/dev_prompts.jsonl); pass --prompts")

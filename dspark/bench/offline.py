@@ -6,11 +6,10 @@ Methods: ``hf`` (transformers ``generate``, greedy), ``ar`` (our engine, no draf
 Timing definitions (prefill excluded from decode speed):
 
 * Prompts run in consecutive groups of ``batch_size``; each group is one batch.
-* Our engine: a group is one ``LLM.generate`` call timed with ``time.perf_counter`` from ``t0``
-  (just before the call) to ``t1`` (just after). A request's first token lands at ``t0 + ttft``
-  (the engine stamps arrival at ``add_request``, right after ``t0``: prompts are pre-tokenized, so
-  this errs, by microseconds, towards a longer decode window). The group's decode window is
-  ``t1 - (t0 + max ttft)``: from the moment the last request got its first token to the end.
+* Our engine: a group is one ``LLM.generate`` call, timed with ``time.perf_counter`` from ``t0``
+  (before) to ``t1`` (after). A request's first token lands at ``t0 + ttft`` (arrival is stamped in
+  ``add_request`` just after ``t0``; prompts are pre-tokenized, so this errs by microseconds towards
+  a longer window). Decode window = ``t1 - (t0 + max ttft)``: last first token to the end.
 * HF: ``generate(max_new_tokens=1)`` on the same batch gives the group's TTFT; the decode window
   is the full ``generate`` time minus that TTFT.
 * ``decode_tok_s`` = sum over groups of (generated tokens - 1 per request) / sum of decode windows.
@@ -21,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import pathlib
 import sys
 import time
@@ -32,6 +32,10 @@ from dspark.config import EngineConfig, SamplingParams
 
 METHODS = ("hf", "ar", "ngram", "dspark", "dspark-tree")
 SPEC_METHODS = ("ngram", "dspark", "dspark-tree")
+# SpecConfig overrides per engine method; "dspark" keeps --drafter (None: the engine's default)
+ENGINE_METHODS: dict[str, dict[str, Any]] = {"ar": {"drafter": "none", "tree": False},
+                                             "ngram": {"drafter": "ngram", "tree": False},
+                                             "dspark": {}, "dspark-tree": {"tree": True}}
 
 
 @dataclasses.dataclass
@@ -44,6 +48,7 @@ class MethodRun:
     decode_time: float = 0.0
     load_s: float = 0.0
     stats: list[Any] | None = None  # SpecStats per request (our engine only)
+    drafter: str | None = None  # the spec runner the engine picked (our engine only)
 
 
 def default_prompts_path() -> pathlib.Path | None:
@@ -62,9 +67,7 @@ def load_prompts(path: str | pathlib.Path, num: int, category: str | None = None
             row = json.loads(line)
             if category is not None and row.get("category") != category:
                 continue
-            text = row.get("prompt")
-            if text is None and row.get("turns"):
-                text = row["turns"][0]
+            text = row["prompt"] if "prompt" in row else (row.get("turns") or [None])[0]
             if not isinstance(text, str):
                 raise ValueError(f"{path}:{line_no}: a row needs a 'prompt' string or a 'turns' list")
             out.append(text)
@@ -92,6 +95,11 @@ def _groups(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
 def _free(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
@@ -100,16 +108,9 @@ def _free(device: str) -> None:
 
 def method_config(cfg: EngineConfig, method: str) -> EngineConfig:
     """The engine config for one of our methods (``ar``, ``ngram``, ``dspark``, ``dspark-tree``)."""
-    spec = cfg.spec
-    if method == "ar":
-        spec = dataclasses.replace(spec, drafter="none", tree=False)
-    elif method == "ngram":
-        spec = dataclasses.replace(spec, drafter="ngram", tree=False)
-    elif method == "dspark-tree":
-        spec = dataclasses.replace(spec, tree=True)
-    elif method != "dspark":
+    if method not in ENGINE_METHODS:
         raise ValueError(f"unknown engine method {method!r}")
-    return dataclasses.replace(cfg, spec=spec)
+    return dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, **ENGINE_METHODS[method]))
 
 
 def run_engine(cfg: EngineConfig, prompt_ids: list[list[int]], batch_size: int, max_tokens: int,
@@ -119,7 +120,7 @@ def run_engine(cfg: EngineConfig, prompt_ids: list[list[int]], batch_size: int, 
 
     t = time.perf_counter()
     llm = LLM.from_config(cfg)
-    run = MethodRun(load_s=time.perf_counter() - t, stats=[])
+    run = MethodRun(load_s=time.perf_counter() - t, stats=[], drafter=getattr(llm.engine.spec, "name", None))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     if warmup > 0:
         llm.generate(prompt_ids[:warmup], params)
@@ -138,10 +139,7 @@ def run_engine(cfg: EngineConfig, prompt_ids: list[list[int]], batch_size: int, 
 
 def _trim(row: list[int], eos_ids: set[int]) -> list[int]:
     """Cut a generated row after its first end-of-sequence token (as the engine stops)."""
-    for i, tok in enumerate(row):
-        if tok in eos_ids:
-            return row[:i + 1]
-    return row
+    return row[:next((i + 1 for i, tok in enumerate(row) if tok in eos_ids), len(row))]
 
 
 def run_hf(cfg: EngineConfig, folder: str, prompt_ids: list[list[int]], batch_size: int,
@@ -160,24 +158,20 @@ def run_hf(cfg: EngineConfig, folder: str, prompt_ids: list[list[int]], batch_si
     tok = load_tokenizer(folder)
     run = MethodRun(load_s=time.perf_counter() - t)
     eos = load_config(folder).get("eos_token_id")
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tok.eos_token_id is not None:
-        eos_ids.add(tok.eos_token_id)
+    eos_ids = (set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}) - {None}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def generate(group: list[list[int]], n: int) -> tuple[list[list[int]], float]:
         width = max(len(p) for p in group)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
-        if cuda:
-            torch.cuda.synchronize()
+        _sync(cuda)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                                  pad_token_id=pad, eos_token_id=sorted(eos_ids), temperature=None,
                                  top_p=None, top_k=None)
-        if cuda:
-            torch.cuda.synchronize()
+        _sync(cuda)
         elapsed = time.perf_counter() - t0
         return [_trim(r, eos_ids) for r in out[:, width:].tolist()], elapsed
 
@@ -196,14 +190,10 @@ def run_hf(cfg: EngineConfig, folder: str, prompt_ids: list[list[int]], batch_si
 
 def _spec_summary(stats: list[Any]) -> dict[str, Any]:
     """tau and per-position acceptance, summed over requests."""
-    steps = sum(s.steps for s in stats)
-    committed = sum(s.generated for s in stats)
+    steps, committed = sum(s.steps for s in stats), sum(s.generated for s in stats)
     width = max((len(s.verified_per_pos) for s in stats), default=0)
-    acc, ver = [0] * width, [0] * width
-    for s in stats:
-        for i, (a, v) in enumerate(zip(s.accepted_per_pos, s.verified_per_pos)):
-            acc[i] += a
-            ver[i] += v
+    acc = [sum(s.accepted_per_pos[i] for s in stats if i < len(s.accepted_per_pos)) for i in range(width)]
+    ver = [sum(s.verified_per_pos[i] for s in stats if i < len(s.verified_per_pos)) for i in range(width)]
     return {"tau": round(committed / steps, 4) if steps else None, "steps": steps,
             "proposed": sum(s.proposed for s in stats), "verified": sum(s.verified for s in stats),
             "accepted": sum(s.accepted for s in stats),
@@ -220,6 +210,8 @@ def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[st
         "tokens": sum(len(t) for t in run.token_ids), "requests": len(run.token_ids),
         "decode_tokens": run.decode_tokens, "decode_s": round(run.decode_time, 4),
         "load_s": round(run.load_s, 3), "matches_ar": None}
+    if run.drafter is not None:
+        out["drafter"] = run.drafter
     ar = ref.get("ar")
     if ar is not None and run.token_ids:
         same = sum(a == b for a, b in zip(run.token_ids, ar.token_ids))
@@ -241,6 +233,7 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
     from dspark.models.loader import load_tokenizer, resolve_model_folder
 
     t_start = time.perf_counter()
+    load_before = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     folder = resolve_model_folder(cfg.model)
     prompt_ids = encode_prompts(load_tokenizer(folder), prompts, chat)
     runs: dict[str, MethodRun] = {}
@@ -248,12 +241,9 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
     for method in methods:
         print(f"[bench] {method} ...", file=sys.stderr, flush=True)
         try:
-            if method == "hf":
-                runs[method] = run_hf(cfg, folder, prompt_ids, batch_size, max_tokens, warmup)
-            else:
-                mcfg = method_config(cfg, method)
-                runs[method] = run_engine(mcfg, prompt_ids, batch_size, max_tokens, warmup)
-        except Exception as e:  # noqa: BLE001 - one failing method must not sink the others
+            runs[method] = (run_hf(cfg, folder, prompt_ids, batch_size, max_tokens, warmup) if method == "hf"
+                            else run_engine(method_config(cfg, method), prompt_ids, batch_size, max_tokens, warmup))
+        except Exception as e:  # one failing method (e.g. a drafter still being written) must not sink the rest
             errors[method] = f"{type(e).__name__}: {e}"
             print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
         _free(cfg.resolved_device())
@@ -262,7 +252,8 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
     return {
         "device": cfg.resolved_device(), "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
         "model": folder, "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu_threads": torch.get_num_threads(), "batch_size": batch_size, "num_prompts": len(prompts),
+        "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "loadavg_1m_before": load_before, "batch_size": batch_size, "num_prompts": len(prompts),
         "max_tokens": max_tokens, "warmup": warmup, "chat": chat,
         "drafter": cfg.spec.drafter, "block_size": cfg.spec.block_size, "spec_policy": cfg.spec.policy,
         "methods": results, "wall_s": round(time.perf_counter() - t_start, 2)}

@@ -3,6 +3,7 @@ trees), then accept losslessly. Pure bookkeeping around sampling.py and tree.py.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -66,13 +67,26 @@ def _params(seqs: list[Sequence], width: int):
     return t[:, None].expand(R, width), k[:, None].expand(R, width), p[:, None].expand(R, width)
 
 
-def _uniforms(seqs: list[Sequence], n: int) -> torch.Tensor:
-    """n uniforms per request from its own generator (greedy requests need none)."""
-    u = torch.full((len(seqs), n), 0.5)
+def _uniforms(seqs: list[Sequence], needs: list[list[int]], width: int) -> torch.Tensor:
+    """[R, width] uniforms. Request r draws exactly len(needs[r]) + 1 from its own generator: into
+    the columns needs[r], then the last column (the sampling draw). What a seeded request consumes
+    so depends only on its own drafts, never on what else shares the batch (greedy ones draw none)."""
+    u = torch.full((len(seqs), width), 0.5)
     for r, s in enumerate(seqs):
         if s.generator is not None:
-            u[r] = torch.rand(n, generator=s.generator)
+            x = torch.rand(len(needs[r]) + 1, generator=s.generator)
+            if needs[r]:
+                u[r, needs[r]] = x[:-1]
+            u[r, -1] = x[-1]
     return u
+
+
+def _tree_needs(trees: list[DraftTree]) -> list[list[int]]:
+    """The uniform columns accept_trees reads for each tree: d * K + j for depth d, child j."""
+    kids = [Counter(t.parents) for t in trees]
+    K = max((max(k.values(), default=0) for k in kids), default=0)
+    return [[d * K + j for d in range(max(t.depths, default=0)) for j in range(max(k.values(), default=0))]
+            for t, k in zip(trees, kids)]
 
 
 def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
@@ -99,7 +113,7 @@ def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
         p = warp_logits(lg, *(x.to(dev) for x in _params(seqs, K + 1)))
         lens = torch.tensor([len(w.drafts) for w, _ in chains], device=dev)
         q = spec.draft_probs([(w.seq, w.kind, len(w.drafts), w.drafts) for w, _ in chains], K, V, None)
-        u = _uniforms(seqs, K + 1).to(dev)
+        u = _uniforms(seqs, [list(range(len(w.drafts))) for w, _ in chains], K + 1).to(dev)
         n_acc, nxt = accept_chain(p, drafts[:, :K].to(dev), q, lens, u[:, :K], u[:, K])
         for r, (w, _) in enumerate(chains):
             a = int(n_acc[r])
@@ -114,7 +128,7 @@ def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
         seqs = [w.seq for w, _ in trees]
         p = warp_logits(lg, *(x.to(dev) for x in _params(seqs, N1)))
         D = max(max(w.tree.depths, default=0) for w, _ in trees)
-        u = _uniforms(seqs, D * N1 + 1).to(dev)
+        u = _uniforms(seqs, _tree_needs([w.tree for w, _ in trees]), D * N1 + 1).to(dev)
         paths, nxt = accept_trees(p, [w.tree for w, _ in trees], u)
         for r, (w, _) in enumerate(trees):
             w.kept_rows = [0] + paths[r]

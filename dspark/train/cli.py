@@ -33,8 +33,8 @@ def add_train_parsers(sub) -> None:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are skipped")
     g.add_argument("--sample-share", type=float, default=0.25, help="share of responses sampled at T=0.7")
-    g.add_argument("--gen-backend", default="auto", choices=["auto", "engine", "hf"],
-                   help="auto: transformers generate on CUDA, our engine on CPU")
+    g.add_argument("--gen-backend", default="auto", choices=["auto", "engine", "dense", "hf"],
+                   help="auto: the dense batched decoder on CUDA, our engine on CPU")
     g.add_argument("--shard-size", type=int, default=1024)
     g.add_argument("--data-only", action="store_true", help="stop after writing the data")
     m = t.add_argument_group("drafter")
@@ -152,12 +152,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                       "generation": gen_stats},
              "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
              "command_wall_s": round(time.time() - t_start, 1)}
+    if device.startswith("cuda"):
+        extra["cuda_peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     stats = tr.export(out / "final", extra)
     text = json.dumps(stats, indent=2) + "\n"
     (out / "train_stats.json").write_text(text)
     (out / "final" / "train_stats.json").write_text(text)
     print(json.dumps({k: stats[k] for k in ("steps", "train_wall_s", "completed", "stopped_by", "final",
-                                            "train_seqs_per_s", "checkpoint_bytes")}))
+                                            "train_seqs_per_s", "checkpoint_bytes")} |
+                     {"cuda_peak_mem_gb": extra.get("cuda_peak_mem_gb")}))
     return 0
 
 

@@ -261,6 +261,8 @@ class Trainer:
                 rec = {"step": self.step, "elapsed_s": round(self.elapsed, 1)}
                 rec.update({k: round(v, 5) for k, v in parts.items()})
                 self.history.append(rec)
+                if not c.progress:
+                    print(json.dumps(rec | {"seqs_per_s": round(seqs_per_s or 0.0, 2)}), flush=True)
             bar.set_postfix({k: f"{run_avg[k]:.3f}" for k in ("loss", "ce", "l1", "bce", "acc") if k in run_avg},
                             refresh=False)
             bar.update(1)

@@ -79,6 +79,10 @@ class DrafterConfig:
         d["enable_confidence_head"] = d.pop("confidence_head")
         d.update(architectures=["DSparkDraftModel"], model_type="qwen3", markov_head_type="vanilla",
                   confidence_head_with_markov=self.markov_rank > 0, tie_word_embeddings=False, **self.extra)
+        if self.kind == "dflash":  # keep the kind: DFlash reads no anchor slot and has no heads
+            d.update(architectures=["DFlashDraftModel"],
+                     dflash_config={"mask_token_id": self.mask_token_id,
+                                    "target_layer_ids": list(self.target_layer_ids)})
         return d
 
 

@@ -1,0 +1,176 @@
+"""The FastAPI app: OpenAI-compatible completions and chat (REST + SSE), models, health, metrics.
+
+`create_app(engine_or_config)` builds one self-contained app: its own scheduler, worker
+thread and Prometheus registry. Given an EngineConfig, the engine loads in the background
+after start-up and every model endpoint answers 503 until it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dspark.config import EngineConfig
+from dspark.engine.engine import Engine
+from dspark.scheduler.scheduler import AsyncEngine
+from dspark.server.metrics import ServerMetrics
+from dspark.server.protocol import APIError, error_body
+from dspark.server.serving import add_generation_routes
+
+logger = logging.getLogger("dspark.server")
+
+
+class ServerState:
+    """What one app owns: the engine once loaded, its scheduler and metrics, and the settings."""
+
+    def __init__(self, served_model_name: str | list[str] | None, api_key: str | None, max_queue: int,
+                 shutdown_timeout: float, log_interval: float, metrics_window_s: float):
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        self.names = names
+        self.api_key = api_key or None
+        self.max_queue = max_queue
+        self.shutdown_timeout = shutdown_timeout
+        self.log_interval = log_interval
+        self.metrics_window_s = metrics_window_s
+        self.engine: Engine | None = None
+        self.scheduler: AsyncEngine | None = None
+        self.metrics: ServerMetrics | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+
+    @property
+    def status(self) -> str:
+        """loading | ready | shutting down | failed."""
+        if self.load_error:
+            return "failed"
+        if self.scheduler is None:
+            return "loading"
+        return "ready" if self.scheduler.accepting else "shutting down"
+
+    def attach(self, engine: Engine) -> None:
+        """Start serving `engine` (from the event loop)."""
+        self.names = self.names or [engine.model_name]
+        metrics = ServerMetrics(self.names[0])
+        metrics.set_baseline(engine.num_preemptions)
+        sched = AsyncEngine(engine, self.max_queue, [metrics], self.log_interval, self.metrics_window_s)
+        metrics.bind_window(sched.window)
+        sched.start()
+        self.engine, self.metrics, self.scheduler = engine, metrics, sched
+        logger.info("serving %s (drafter %s, max_model_len %d, max_num_seqs %d, max_queue %d)", self.names[0],
+                    engine.spec.name, engine.max_model_len, engine.config.max_num_seqs, self.max_queue)
+
+    async def load(self, config: EngineConfig) -> None:
+        try:
+            engine = await asyncio.to_thread(Engine, config)
+        except Exception as e:
+            self.load_error = f"{type(e).__name__}: {e}"
+            logger.exception("loading the engine failed")
+            return
+        self.attach(engine)
+
+    def require_ready(self) -> AsyncEngine:
+        if self.status != "ready":
+            msg = {"loading": "the model is still loading; retry shortly",
+                   "failed": f"the engine failed to load: {self.load_error}"}.get(
+                       self.status, "the server is shutting down")
+            raise APIError(503, msg)
+        assert self.scheduler is not None
+        return self.scheduler
+
+    def check_model(self, name: str | None) -> str:
+        """The model name to answer with; APIError(404) for a name this server does not serve."""
+        if name is None or name in self.names:
+            return name or self.names[0]
+        raise APIError(404, f"The model `{name}` does not exist. Available: {', '.join(self.names)}",
+                       param="model")
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           err_type="authentication_error")
+
+
+def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
+               served_model_name: str | list[str] | None = None, api_key: str | None = None,
+               max_queue: int = 256, shutdown_timeout: float = 30.0, log_interval: float = 5.0,
+               metrics_window_s: float = 10.0) -> FastAPI:
+    """An app serving a loaded Engine, or an EngineConfig (None: defaults) loaded in the background.
+
+    api_key: when set, /v1/* need `Authorization: Bearer <api_key>` (health and metrics stay open).
+    max_queue: requests allowed beyond max_num_seqs before 429. shutdown_timeout: seconds running
+    requests get to finish at shutdown before they are aborted.
+    """
+    state = ServerState(served_model_name, api_key, max_queue, shutdown_timeout, log_interval, metrics_window_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        load = None
+        if isinstance(engine_or_config, Engine):
+            state.attach(engine_or_config)
+        else:
+            load = asyncio.create_task(state.load(engine_or_config or EngineConfig()))
+        yield
+        if load is not None and not load.done():
+            load.cancel()
+        if state.scheduler is not None:
+            await state.scheduler.drain(state.shutdown_timeout)
+            await state.scheduler.stop()
+
+    app = FastAPI(title="dspark", lifespan=lifespan)
+    app.state.dspark = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "invalid_request_error", None, 400), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        err = APIError(e.status_code, str(e.detail))
+        return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = state.status
+        return JSONResponse({"status": "ok" if status == "ready" else status},
+                            status_code=200 if status == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = state.metrics.render() if state.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        state.check_auth(request)
+        state.require_ready()
+        eng = state.engine
+        spec = {"drafter": eng.spec.name, "block_size": eng.spec.block_size, "policy": eng.config.spec.policy}
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "dspark",
+             "root": eng.model_name, "max_model_len": eng.max_model_len, "speculation": spec}
+            for name in state.names]}
+
+    add_generation_routes(app, state)
+    return app

@@ -1,0 +1,49 @@
+"""`dspark serve`: the OpenAI-compatible server under uvicorn, with graceful SIGTERM handling."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT."""
+    import uvicorn
+
+    from dspark.cli import engine_config
+    from dspark.server.app import create_app
+    from dspark.server.runner import GracefulServer
+
+    config = engine_config(args, default_policy="load-aware")
+    config.spec.validate()  # fail before binding the port
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
+    app = create_app(config, served_model_name=args.served_model_name, api_key=api_key,
+                     max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                               timeout_graceful_shutdown=args.shutdown_timeout)
+    GracefulServer(uv_config, app.state.dspark).run()
+    return 0
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction,
+                     add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add the `serve` subcommand to the `dspark` command line."""
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DSPARK_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests allowed to wait beyond --max-num-seqs before answering 429")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the model's name)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)

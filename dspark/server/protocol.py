@@ -1,0 +1,210 @@
+"""OpenAI request models (as vLLM accepts them), response builders, and the API error type.
+
+Requests are validated strictly: a wrong JSON type is an error, not coerced. Unknown fields
+are ignored, like vLLM; known OpenAI features this server does not implement (logprobs,
+penalties, tools, ...) are rejected when set to anything but their default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dspark.config import SamplingParams
+
+# OpenAI fields we do not implement, with the values that mean "off"
+_UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
+    "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
+}
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+             503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = err_type or self.TYPES.get(status, "api_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.status)
+
+
+def error_body(message: str, err_type: str, param: str | None, code: int | str | None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class SpeculationOptions(_Strict):
+    """Extension: per-request control of speculative decoding."""
+
+    enabled: bool = True
+    block_size: int | None = Field(None, ge=1, le=32)
+
+
+class StreamOptions(_Strict):
+    """stream_options: include_usage adds a last chunk with usage and no choices."""
+
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    ignore_eos: bool = False
+    speculation: SpeculationOptions | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return v
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """Sampling settings with vLLM's defaults (temperature 1, top_p 1, top_k off)."""
+        params = SamplingParams(
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=0 if self.top_k is None else self.top_k, max_tokens=max_tokens or 1, seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []), ignore_eos=self.ignore_eos)
+        params.validate()
+        return params
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions."""
+
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1)  # vLLM's default; null: up to the context
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[int]:
+        """One prompt: a string or token ids (a list of exactly one of either is unwrapped)."""
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
+            raise ValueError("batched prompts are not supported: send one prompt per request")
+        raise ValueError("prompt must be a string or a non-empty list of token ids")
+
+
+class ContentPart(_Strict):
+    """A text part of a message's content list (the only kind this text model takes)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message; content as a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def as_dict(self) -> dict:
+        """{"role", "content"} for the chat template ("developer" becomes "system")."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def parse_request(cls: type[_Common], body: Any) -> _Common:
+    """Validate a JSON body; raises APIError(400) naming the first offending field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    for key, off in _UNSUPPORTED.items():
+        if key in body and body[key] not in off:
+            raise APIError(400, f"{key} is not supported by this server", param=key)
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"] if isinstance(x, int) or ("[" not in str(x) and x not in
+                                                                     ("str", "int", "float", "bool", "list"))]
+        param = ".".join(loc) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from None
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+    return req
+
+
+# ------------------------------------------------------------------------ responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
+                    usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False) -> dict:
+    """A text_completion object, or one streamed chunk of it."""
+    body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [{"index": 0, "text": text, "logprobs": None,
+                                         "finish_reason": finish_reason}]}
+    if not chunk or usage_ is not None:
+        body["usage"] = usage_
+    if speculation is not None:
+        body["speculation"] = speculation
+    return body
+
+
+def chat_body(rid: str, created: int, model: str, content: str | None, finish_reason: str | None,
+              usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False,
+              role: bool = False) -> dict:
+    """A chat.completion object, or one chat.completion.chunk (a delta) when chunk."""
+    if chunk:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if content:
+            delta["content"] = content
+        elif role:
+            delta["content"] = ""
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
+                            "created": created, "model": model, "choices": [choice]}
+    if not chunk or usage_ is not None:
+        body["usage"] = usage_
+    if speculation is not None:
+        body["speculation"] = speculation
+    return body
+
+
+def usage_chunk(rid: str, created: int, model: str, chat: bool, usage_: dict) -> dict:
+    """The last chunk of a stream with stream_options.include_usage: no choices, just usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage_}

@@ -1,0 +1,168 @@
+"""POST /v1/completions and /v1/chat/completions: admission, streaming (SSE) and plain JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from dspark.engine.sequence import RequestOutput
+from dspark.scheduler.scheduler import EngineError, QueueFullError, RequestAborted, RequestStream, UnavailableError
+from dspark.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SpeculationOptions,
+    chat_body,
+    completion_body,
+    parse_request,
+    usage,
+    usage_chunk,
+)
+
+if TYPE_CHECKING:
+    from dspark.server.app import ServerState
+
+logger = logging.getLogger("dspark.server")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+class _Generation:
+    """One completion or chat request from admission to its response."""
+
+    def __init__(self, state: ServerState, request: Request, chat: bool):
+        self.state, self.request, self.chat = state, request, chat
+        self.rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = ""
+        self.spec = SpeculationOptions()
+
+    async def run(self) -> Response:
+        st = self.state
+        st.check_auth(self.request)
+        cls = ChatCompletionRequest if self.chat else CompletionRequest
+        req = parse_request(cls, await _read_json(self.request))
+        sched = st.require_ready()
+        self.model = st.check_model(req.model)
+        if self.chat:
+            prompt: Any = [m.as_dict() for m in req.messages]
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        else:
+            prompt, max_tokens = req.prompt, req.max_tokens
+        self.spec = req.speculation or SpeculationOptions()
+        self._check_block_size()
+        try:
+            params = req.sampling_params(max_tokens)
+            stream = await sched.add(self.rid, prompt, params, max_tokens=max_tokens, spec=self.spec.enabled,
+                                     block_size=self.spec.block_size)
+        except QueueFullError as e:
+            raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
+        except UnavailableError as e:
+            raise APIError(503, str(e)) from None
+        except ValueError as e:
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(stream, include_usage), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        out = await self._collect(stream)
+        u = usage(len(out.prompt_token_ids), len(out.token_ids))
+        build = chat_body if self.chat else completion_body
+        return JSONResponse(build(self.rid, self.created, self.model, out.text, out.finish_reason, u,
+                                  self._speculation(out)))
+
+    def _check_block_size(self) -> None:
+        spec = self.state.engine.spec
+        if self.spec.block_size is None or spec.name == "none":
+            return  # no drafter: the block size has no effect
+        top = 32 if spec.name == "ngram" else spec.block_size
+        if self.spec.block_size > top:
+            raise APIError(400, f"speculation.block_size must be in [1, {top}] for drafter {spec.name}",
+                           param="speculation.block_size")
+
+    def _speculation(self, out: RequestOutput) -> dict:
+        return {**out.stats.as_dict(), "drafter": self.state.engine.spec.name, "enabled": self.spec.enabled}
+
+    async def _collect(self, stream: RequestStream) -> RequestOutput:
+        async def watch() -> None:  # abort when the client goes away
+            while not await self.request.is_disconnected():
+                await asyncio.sleep(0.25)
+            stream.abort()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            out = await stream.result()
+        except RequestAborted as e:
+            raise APIError(503, str(e)) from None
+        except EngineError as e:
+            raise APIError(500, str(e)) from None
+        finally:
+            watcher.cancel()
+            stream.abort()
+        if out.finish_reason == "abort":
+            raise APIError(503, "the request was aborted")
+        return out
+
+    def _chunk(self, out: RequestOutput) -> dict:
+        finish = out.finish_reason if out.finished else None
+        spec = self._speculation(out) if out.finished else None
+        if self.chat:
+            return chat_body(self.rid, self.created, self.model, out.new_text, finish, speculation=spec, chunk=True)
+        return completion_body(self.rid, self.created, self.model, out.new_text, finish, speculation=spec,
+                               chunk=True)
+
+    async def _stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+        """SSE chunks; a client that disconnects cancels this generator, which aborts the request."""
+        try:
+            if self.chat:
+                yield _sse(chat_body(self.rid, self.created, self.model, "", None, chunk=True, role=True))
+            final = None
+            async for out in stream:
+                if out.finished and out.finish_reason == "abort":
+                    raise RequestAborted("the request was aborted")
+                if out.new_text or out.finished:
+                    yield _sse(self._chunk(out))
+                final = out
+            if include_usage and final is not None:
+                u = usage(len(final.prompt_token_ids), len(final.token_ids))
+                yield _sse(usage_chunk(self.rid, self.created, self.model, self.chat, u))
+        except RequestAborted as e:
+            yield _sse(APIError(503, str(e)).body())
+        except Exception as e:  # EngineError, or a bug: tell the client inside the stream
+            if not isinstance(e, EngineError):
+                logger.exception("stream %s failed", self.rid)
+            yield _sse(APIError(500, str(e) if isinstance(e, EngineError) else f"internal error: {e}").body())
+        finally:
+            stream.abort()
+        yield "data: [DONE]\n\n"
+
+
+def add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """Register POST /v1/completions and /v1/chat/completions on app."""
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _Generation(state, request, chat=False).run()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _Generation(state, request, chat=True).run()

@@ -1,0 +1,243 @@
+"""End-to-end tests of the OpenAI-compatible server: a real uvicorn server on 127.0.0.1 serving the
+default model (drafter "none" and drafter "ngram"), driven by the openai client and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from server_helpers import MAX_TOKENS, metric, one_thread, scrape, serve, shared_engine, stream_raw, wait_for
+
+pytest.importorskip("openai")
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+REPEAT = "Count: one two three four five, one two three four five, one two three four five,"
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from dspark.models.loader import ModelLoadError
+
+    try:
+        return {"none": shared_engine("none"), "ngram": shared_engine("ngram")}
+    except ModelLoadError as e:
+        pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(params=["none", "ngram"])
+def server(request, engines):
+    with serve(engines[request.param]) as s:
+        yield s
+
+
+@pytest.fixture
+def ngram_server(engines):
+    with serve(engines["ngram"], metrics_window_s=3600) as s:
+        yield s
+
+
+def _spec(obj) -> dict:
+    spec = obj.model_extra["speculation"]
+    assert {"steps", "proposed", "verified", "accepted", "tau"} <= set(spec)
+    return spec
+
+
+def test_completions_stream_matches_nonstream(server):
+    client, model = server.openai(), server.state.names[0]
+    full = client.completions.create(model=model, prompt=PROMPT, **GREEDY)
+    choice = full.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.text
+    n_prompt = len(server.state.engine.tokenizer.encode(PROMPT, add_special_tokens=False))
+    assert full.usage.prompt_tokens == n_prompt
+    assert full.usage.total_tokens == n_prompt + full.usage.completion_tokens
+    assert 0 < full.usage.completion_tokens <= MAX_TOKENS
+    if choice.finish_reason == "length":
+        assert full.usage.completion_tokens == MAX_TOKENS
+    spec = _spec(full)
+    assert spec["steps"] >= full.usage.completion_tokens - 1 - spec["accepted"]
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.id == chunks[0].id and c.model == model for c in chunks)
+
+
+def test_stop_string_and_seeded_sampling(server):
+    client, model = server.openai(), server.state.names[0]
+    full = client.completions.create(model=model, prompt=REPEAT, stop=["four"], temperature=0, max_tokens=24)
+    assert full.choices[0].finish_reason == "stop" and "four" not in full.choices[0].text
+    chunks = list(client.completions.create(model=model, prompt=REPEAT, stop=["four"], temperature=0,
+                                            max_tokens=24, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    kw = {"model": model, "messages": CHAT, "temperature": 0.9, "top_p": 0.95, "max_tokens": 12,
+          "extra_body": {"top_k": 50}}
+    a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    b = "".join(c.choices[0].delta.content or "" for c in
+                client.chat.completions.create(seed=1234, stream=True, **kw) if c.choices)
+    assert a == b
+
+
+def test_chat_stream_matches_nonstream(server):
+    client, model = server.openai(), server.state.names[0]
+    full = client.chat.completions.create(model=model, messages=CHAT, temperature=0,
+                                          max_completion_tokens=MAX_TOKENS)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    n_prompt = len(server.state.engine.encode(CHAT))
+    assert full.usage.prompt_tokens == n_prompt
+    assert full.usage.completion_tokens <= MAX_TOKENS
+    _spec(full)
+    # raw SSE: data: {json} chunks, a usage chunk, then [DONE]
+    status, data = stream_raw(server.url, "/v1/chat/completions", {
+        "model": model, "messages": CHAT, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert status == 200 and data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == msg.content
+    last = [c for c in chunks if c["choices"]][-1]
+    assert last["choices"][0]["finish_reason"] == full.choices[0].finish_reason
+    assert last["speculation"] == full.model_extra["speculation"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full.usage.model_dump(exclude_none=True)
+    # the openai client's view of the same stream
+    stream = client.chat.completions.create(model=model, messages=CHAT, temperature=0,
+                                            max_completion_tokens=MAX_TOKENS, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == msg.content
+
+
+def test_greedy_output_same_with_and_without_speculation(engines):
+    texts = {}
+    for name in ("none", "ngram"):
+        with serve(engines[name]) as s:
+            client = s.openai()
+            out = client.completions.create(model=s.state.names[0], prompt=REPEAT, temperature=0, max_tokens=24)
+            texts[name] = out.choices[0].text
+            spec = _spec(out)
+            if name == "ngram":
+                assert spec["drafter"] == "ngram" and spec["proposed"] > 0 and spec["accepted"] > 0
+                assert spec["tau"] > 1
+                off = client.completions.create(model=s.state.names[0], prompt=REPEAT, temperature=0,
+                                                max_tokens=24, extra_body={"speculation": {"enabled": False}})
+                assert off.choices[0].text == out.choices[0].text
+                assert _spec(off)["proposed"] == 0 and _spec(off)["tau"] == 1
+            else:
+                assert spec["proposed"] == 0
+    assert texts["none"] == texts["ngram"]
+
+
+def test_16_concurrent_streams_match_alone(engines):
+    prompts = [f"{topic} is" for topic in ("The sky", "Python", "A cat", "Music", "The ocean", "Coffee",
+                                            "Winter", "My favorite book")]
+    prompts = prompts + [p.replace(" is", " was") for p in prompts]
+    with serve(engines["ngram"]) as s:
+        client, model = s.openai(), s.state.names[0]
+        batch_sizes = []
+        s.state.scheduler.listeners.append(SimpleNamespace(on_step=lambda r: batch_sizes.append(r.running),
+                                                           on_finish=lambda r: None))
+        alone = [client.completions.create(model=model, prompt=p, temperature=0, max_tokens=12).choices[0].text
+                 for p in prompts]
+
+        async def one(aclient, prompt: str) -> tuple[str, str | None]:
+            text, finish = "", None
+            async for chunk in await aclient.completions.create(model=model, prompt=prompt, temperature=0,
+                                                                max_tokens=12, stream=True):
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            return text, finish
+
+        async def all_at_once() -> list[tuple[str, str | None]]:
+            async with s.async_openai() as aclient:
+                return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+        batch_sizes.clear()
+        results = asyncio.run(all_at_once())
+    assert max(batch_sizes) >= 8, batch_sizes  # they really ran together
+    assert [r[0] for r in results] == alone
+    assert all(r[1] in ("stop", "length") for r in results)
+
+
+def test_disconnect_frees_pages(ngram_server):
+    url, model = ngram_server.url, ngram_server.state.names[0]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        got: list[str] = []
+        for line in lines:
+            got += [line] if line.startswith("data: ") else []
+            if len(got) >= 3:
+                break
+        assert metric(scrape(url), "dspark:kv_cache_usage_perc") > 0
+    idle = lambda: (m := scrape(url)) and metric(m, "dspark:kv_cache_usage_perc") == 0 and \
+        metric(m, "dspark:num_requests_running") == 0
+    assert wait_for(idle, 10), "pages not freed after the client disconnected"
+    assert metric(scrape(url), "dspark:request_success_total", finished_reason="abort") == 1
+    # a non-streaming request whose client gives up is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=1.5)
+    assert wait_for(idle, 10), "pages not freed after a non-streaming client disconnected"
+    assert metric(scrape(url), "dspark:request_success_total", finished_reason="abort") == 2
+    assert ngram_server.state.engine.pool.num_free == ngram_server.state.engine.pool.num_pages
+
+
+def test_metrics_consistent_with_responses(ngram_server):
+    client, url, model = ngram_server.openai(), ngram_server.url, ngram_server.state.names[0]
+    seen = []  # (prompt tokens, completion tokens, finish reason, speculation)
+    for kwargs in ({}, {"extra_body": {"speculation": {"enabled": False}}}, {"stop": [","]},
+                   {"extra_body": {"speculation": {"block_size": 2}}}):
+        out = client.completions.create(model=model, prompt=REPEAT, temperature=0, max_tokens=24, **kwargs)
+        seen.append((out.usage.prompt_tokens, out.usage.completion_tokens, out.choices[0].finish_reason,
+                     _spec(out)))
+    spec = usage = finish = None
+    for chunk in client.chat.completions.create(model=model, messages=CHAT, temperature=0, max_tokens=20,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].finish_reason:
+            spec, finish = _spec(chunk), chunk.choices[0].finish_reason
+        usage = chunk.usage or usage
+    seen.append((usage.prompt_tokens, usage.completion_tokens, finish, spec))
+    assert seen[2][2] == "stop"
+    assert len(seen[3][3]["verified_per_pos"]) <= 2  # block_size 2 for that request
+
+    m = scrape(url)
+    total = lambda key: sum(s[3][key] for s in seen)
+    assert metric(m, "dspark:prompt_tokens_total") == sum(s[0] for s in seen)
+    assert metric(m, "dspark:generation_tokens_total") == sum(s[1] for s in seen)
+    for reason in ("stop", "length"):
+        assert metric(m, "dspark:request_success_total", finished_reason=reason) == \
+            sum(s[2] == reason for s in seen)
+    assert metric(m, "dspark:spec_decode_num_drafts_total") == total("steps")
+    assert metric(m, "dspark:spec_decode_num_draft_tokens_total") == total("proposed")
+    assert metric(m, "dspark:spec_decode_num_verified_tokens_total") == total("verified")
+    assert metric(m, "dspark:spec_decode_num_accepted_tokens_total") == total("accepted") > 0
+    for pos in range(max(len(s[3]["accepted_per_pos"]) for s in seen)):
+        assert metric(m, "dspark:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == \
+            sum(s[3]["accepted_per_pos"][pos] for s in seen if pos < len(s[3]["accepted_per_pos"]))
+    # tau over the window = committed tokens per target pass, over all of these requests
+    tau = sum(s[3]["tau"] * s[3]["steps"] for s in seen) / total("steps")
+    assert math.isclose(metric(m, "dspark:spec_decode_mean_acceptance_length"), tau, rel_tol=1e-3)
+    assert tau > 1
+    assert metric(m, "dspark:generation_tokens_per_second") > 0
+    n = len(seen)
+    assert metric(m, "dspark:time_to_first_token_seconds_count") == n
+    assert metric(m, "dspark:e2e_request_latency_seconds_count") == n
+    # one inter-token latency per token after each request's first
+    assert metric(m, "dspark:inter_token_latency_seconds_count") == sum(s[1] for s in seen) - n
+    assert metric(m, "dspark:num_requests_running") == metric(m, "dspark:num_requests_waiting") == 0
+    assert metric(m, "dspark:kv_cache_usage_perc") == 0
+    assert metric(m, "dspark:num_preemptions_total") == 0

@@ -1,0 +1,226 @@
+"""Server error paths: invalid requests (400), unknown model (404), API key (401), a full queue
+(429), not admitting (503), and a graceful SIGTERM of `dspark serve`; the server keeps serving."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import error_of, metric, one_thread, scrape, serve, shared_engine, stream_raw, wait_for
+
+openai = pytest.importorskip("openai")
+
+PROMPT = "The capital of France is"
+MSGS = [{"role": "user", "content": "Hi"}]
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from dspark.models.loader import ModelLoadError
+
+    try:
+        return shared_engine("none")  # max_num_seqs 2
+    except ModelLoadError as e:
+        pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serve(engine, max_queue=1) as s:
+        yield s
+
+
+def _ok(server) -> None:
+    out = server.openai().completions.create(model=server.state.names[0], prompt=PROMPT, max_tokens=4,
+                                             temperature=0)
+    assert out.choices[0].text and out.usage.completion_tokens == 4
+
+
+INVALID = [
+    (C, b"{not json", None), (C, b"[1, 2]", None), (C, {}, "prompt"),
+    (C, {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"), (C, {"prompt": PROMPT, "max_tokens": "8"}, "max_tokens"),
+    (C, {"prompt": PROMPT, "temperature": -0.5}, "temperature"), (C, {"prompt": PROMPT, "temperature": 2.5},
+                                                                  "temperature"),
+    (C, {"prompt": PROMPT, "temperature": "hot"}, "temperature"), (C, {"prompt": PROMPT, "top_p": 1.5}, "top_p"),
+    (C, {"prompt": PROMPT, "top_p": 0}, "top_p"), (C, {"prompt": PROMPT, "top_k": -2}, "top_k"),
+    (C, {"prompt": PROMPT, "n": 2}, "n"), (C, {"prompt": PROMPT, "seed": 1.5}, "seed"),
+    (C, {"prompt": ["one", "two"]}, "prompt"), (C, {"prompt": 42}, "prompt"), (C, {"prompt": []}, "prompt"),
+    (C, {"prompt": PROMPT, "stop": 5}, "stop"), (C, {"prompt": PROMPT, "stream": "yes"}, "stream"),
+    (C, {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+    (C, {"prompt": PROMPT, "max_tokens": 100_000}, "max_tokens"), (C, {"prompt": "word " * 9000}, None),
+    (C, {"prompt": [10**9]}, None), (C, {"prompt": ""}, None), (C, {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    (C, {"prompt": PROMPT, "speculation": {"enabled": "no"}}, "speculation.enabled"),
+    (C, {"prompt": PROMPT, "speculation": {"block_size": 0}}, "speculation.block_size"),
+    (CHAT, {"messages": []}, "messages"), (CHAT, {"messages": "hi"}, "messages"),
+    (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    (CHAT, {"messages": [{"role": "user", "content": 7}]}, "messages.0.content"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"messages": MSGS, "n": 3}, "n"), (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", INVALID, ids=[f"{i}" for i in range(len(INVALID))])
+def test_invalid_request_gets_400(server, path, body, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    r = httpx.post(server.url + path, timeout=60, **kw)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_errors_then_keeps_serving(server):
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=server.state.names[0], prompt=PROMPT, max_tokens=-1)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+    assert e.value.body["type"] == "not_found_error" and e.value.body["param"] == "model"
+    r = httpx.post(server.url + CHAT, json={"model": "no-such-model", "messages": MSGS})
+    assert r.status_code == 404 and error_of(r)["code"] == 404
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and error_of(r)
+    # a stream that fails validation is a plain HTTP error, not an SSE stream
+    status, body = stream_raw(server.url, C, {"prompt": PROMPT, "stream": True, "top_p": 7})
+    assert status == 400 and json.loads(body[0])["error"]["param"] == "top_p"
+    _ok(server)
+    models = client.models.list().data
+    assert [m.id for m in models] == server.state.names
+
+
+def test_api_key(engine):
+    with serve(engine, api_key="sekret") as s:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = httpx.post(s.url + C, json={"prompt": PROMPT, "max_tokens": 2}, headers=headers)
+            assert r.status_code == 401 and error_of(r)["type"] == "authentication_error"
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/metrics").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            s.openai("wrong").completions.create(model=s.state.names[0], prompt=PROMPT, max_tokens=2)
+        out = s.openai("sekret").completions.create(model=s.state.names[0], prompt=PROMPT, max_tokens=2)
+        assert out.usage.completion_tokens == 2
+
+
+def test_queue_full_gets_429(server):
+    # max_num_seqs 2 + max_queue 1: three requests in flight fill the server
+    url, model = server.url, server.state.names[0]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with contextlib.ExitStack() as stack:
+        for _ in range(3):
+            r = stack.enter_context(httpx.stream("POST", url + C, json=body, timeout=60))
+            assert r.status_code == 200
+        assert wait_for(lambda: metric(scrape(url), "dspark:num_requests_waiting") == 1)
+        assert metric(scrape(url), "dspark:num_requests_running") == 2
+        r = httpx.post(url + C, json={**body, "stream": False})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert error_of(r)["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            server.openai().chat.completions.create(model=model, messages=MSGS, max_tokens=2)
+    idle = lambda: (m := scrape(url)) and metric(m, "dspark:num_requests_running") == 0 and \
+        metric(m, "dspark:num_requests_waiting") == 0 and metric(m, "dspark:kv_cache_usage_perc") == 0
+    assert wait_for(idle, 10)
+    _ok(server)
+
+
+def test_503_when_not_admitting(server):
+    sched = server.state.scheduler
+    sched.accepting = False  # what SIGTERM does first
+    try:
+        r = httpx.post(server.url + C, json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 503 and error_of(r)["type"] == "service_unavailable"
+        assert httpx.get(server.url + "/health").status_code == 503
+    finally:
+        sched.accepting = True
+    _ok(server)
+
+
+def test_engine_error_mid_stream(server, engine, monkeypatch):
+    real, calls = engine.step, []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real()
+
+    monkeypatch.setattr(engine, "step", flaky)
+    status, data = stream_raw(server.url, C, {"prompt": PROMPT, "max_tokens": 16, "stream": True})
+    assert status == 200 and data[-1] == "[DONE]"
+    err = json.loads(data[-2])["error"]
+    assert err["code"] == 500 and "boom" in err["message"]
+    calls.clear()
+    r = httpx.post(server.url + C, json={"prompt": PROMPT, "max_tokens": 16}, timeout=60)
+    assert r.status_code == 500 and "boom" in error_of(r)["message"]
+    monkeypatch.undo()
+    assert wait_for(lambda: metric(scrape(server.url), "dspark:kv_cache_usage_perc") == 0)
+    _ok(server)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_running_requests(tmp_path):
+    port, root = _free_port(), Path(__file__).resolve().parents[1]
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    env.pop("DSPARK_API_KEY", None)
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--drafter", "none", "--port", str(port),
+                             "--kv-cache-tokens", "4096", "--shutdown-timeout", "60"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    try:
+        statuses = []
+
+        def ready() -> bool:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                r = httpx.get(url + "/health", timeout=5)
+            except httpx.TransportError:
+                return False
+            statuses.append((r.status_code, r.json()["status"]))
+            return r.status_code == 200
+
+        assert wait_for(ready, 180, 0.1)
+        assert set(statuses[:-1]) <= {(503, "loading")}  # 503 while the model loads
+        result = {}
+        body = {"prompt": PROMPT, "max_tokens": 64, "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        t = threading.Thread(target=lambda: result.update(r=stream_raw(url, C, body)))
+        t.start()
+        assert wait_for(lambda: metric(scrape(url), "dspark:num_requests_running") == 1, 30)
+        proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        status, data = result["r"]
+        assert status == 200 and data[-1] == "[DONE]", data[-3:]
+        assert json.loads(data[-2])["usage"]["completion_tokens"] == 64
+        assert proc.wait(60) == 0
+        text = (tmp_path / "serve.log").read_text()
+        assert "no longer admitting requests; finishing 1 in flight" in text, text
+        assert "finished (length): 5 prompt + 64 output tokens" in text, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -1,0 +1,218 @@
+"""Greedy speculative decoding equals plain greedy decoding, token for token.
+
+A tiny predictable Llama target (tests/spec_helpers.py) with DSpark (Markov head that often
+guesses right), DFlash (random: mostly rejected) and n-gram drafters; chains and trees; the
+fixed, threshold and load-aware policies; per-request block sizes 1..8 in one batch and the
+engine-wide block size; prompts of 15-40 tokens over 16-token pages; max_tokens and stop
+tokens that land inside an accepted block; chunked prefill and preemption under a small pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from spec_helpers import OneThread, alphabet_prompts, assets, make_engine, run_requests
+
+from dspark.config import SamplingParams, SpecConfig
+
+pytest.importorskip("transformers")
+
+try:
+    from dspark.engine.neural_spec import NeuralSpecRunner
+
+    HAS_TREE = "tree" in {f.name for f in dataclasses.fields(SpecConfig)} and hasattr(NeuralSpecRunner,
+                                                                                     "_propose_trees")
+except ImportError:  # pragma: no cover
+    HAS_TREE = False
+
+LENGTHS = [15, 16, 17, 24, 31, 32, 33, 40]  # around the 16-token page boundaries
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with OneThread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return assets(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return alphabet_prompts(LENGTHS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain(folders):
+    """Plain greedy outputs (drafter "none"), memoized per (prompt, params)."""
+    engine = make_engine(folders["target"], "none")
+    memo: dict = {}
+
+    def get(requests):
+        todo = [(p, sp) for p, sp in requests if _key(p, sp) not in memo]
+        if todo:
+            outs = run_requests(engine, [(p, sp, None) for p, sp in todo])
+            for (p, sp), o in zip(todo, outs):
+                memo[_key(p, sp)] = o
+        assert engine.spec_stats.verified == 0
+        return [memo[_key(p, sp)] for p, sp in requests]
+
+    return get
+
+
+def _key(prompt, sp: SamplingParams):
+    return tuple(prompt), sp.max_tokens, tuple(sp.stop_token_ids), sp.temperature
+
+
+def _drafter(folders, name: str) -> str:
+    return name if name in ("ngram", "none") else folders[name]
+
+
+def _assert_same(spec_outs, ref_outs):
+    for i, (a, b) in enumerate(zip(spec_outs, ref_outs)):
+        assert a.token_ids == b.token_ids, f"request {i}: speculative {a.token_ids} != plain {b.token_ids}"
+        assert a.finish_reason == b.finish_reason, f"request {i}"
+        assert a.text == b.text, f"request {i}"
+
+
+def _partial_steps(outs) -> int:
+    """Requests whose steps include at least one partial acceptance (some, not all drafts kept)."""
+    return sum(1 for o in outs if 0 < o.stats.accepted < o.stats.verified)
+
+
+CHAIN = [("dspark", "fixed"), ("dspark", "threshold"), ("dspark", "load-aware"),
+         ("dflash", "fixed"), ("dflash", "threshold"), ("dflash", "load-aware"), ("ngram", "fixed")]
+
+
+@pytest.mark.parametrize("drafter,policy", CHAIN, ids=[f"{d}-{p}" for d, p in CHAIN])
+def test_chain_per_request_block_sizes(folders, prompts, plain, drafter, policy, tmp_path, monkeypatch):
+    """One batch: mixed prompt lengths, block sizes 1..8 per request, plus sampled requests riding along."""
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))  # the load-aware cost profile lands here
+    engine = make_engine(folders["target"], _drafter(folders, drafter), policy=policy, threshold=0.5)
+    reqs = [(p, GREEDY, b) for p, b in zip(prompts, range(1, 9))]
+    sampled = [(prompts[0], SamplingParams(temperature=0.8, top_k=5, seed=7, max_tokens=4), 4),
+               (prompts[5], SamplingParams(temperature=1.2, top_p=0.9, seed=8, max_tokens=4), None)]
+    outs = run_requests(engine, reqs + sampled)[:len(reqs)]
+    _assert_same(outs, plain([(p, GREEDY) for p in prompts]))
+    st = engine.spec_stats
+    assert st.verified > 0, "no draft token was ever verified"
+    assert engine.spec.name == ("ngram" if drafter == "ngram" else drafter)
+    if drafter != "dflash":  # these draft well on the predictable target
+        assert st.accepted > 0 and _partial_steps(outs) >= 2, st.as_dict()
+    # block size 1 never verifies more than one draft token per step
+    assert outs[0].stats.verified <= outs[0].stats.steps
+
+
+BLOCKS = [("dspark", b) for b in range(1, 9)] + [("dflash", b) for b in (1, 4, 8)] + [("ngram", b) for b in (1, 3, 8)]
+
+
+@pytest.mark.parametrize("drafter,block", BLOCKS, ids=[f"{d}-{b}" for d, b in BLOCKS])
+def test_chain_engine_block_size(folders, prompts, plain, drafter, block):
+    """SpecConfig.block_size (the engine-wide default): 1..8 for DSpark, a few for DFlash and n-gram."""
+    engine = make_engine(folders["target"], _drafter(folders, drafter), block_size=block)
+    sub = prompts[::3]
+    sp = dataclasses.replace(GREEDY, max_tokens=24)
+    outs = run_requests(engine, [(p, sp, None) for p in sub])
+    _assert_same(outs, plain([(p, sp) for p in sub]))
+    assert all(o.stats.verified <= block * o.stats.steps for o in outs)
+    assert engine.spec_stats.verified > 0
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dflash", "ngram"])
+def test_max_tokens_inside_block(folders, prompts, plain, drafter):
+    """max_tokens 1, 2, 5, 7, 9 and 17 end requests exactly where plain decoding does."""
+    engine = make_engine(folders["target"], _drafter(folders, drafter))
+    reqs = [(p, dataclasses.replace(GREEDY, max_tokens=m)) for p in prompts[:4] for m in (1, 2, 5, 7, 9, 17)]
+    outs = run_requests(engine, [(p, sp, None) for p, sp in reqs])
+    ref = plain([(p, dataclasses.replace(GREEDY, max_tokens=40)) for p, _ in reqs])
+    for o, r, (_, sp) in zip(outs, ref, reqs):
+        assert o.token_ids == r.token_ids[:sp.max_tokens]
+        if len(o.token_ids) == sp.max_tokens:
+            assert o.finish_reason == "length"
+    _assert_same(outs, plain(reqs))
+    if drafter == "dspark":  # some request really finished inside an accepted block
+        assert any(o.stats.accepted > 0 and len(o.token_ids) == sp.max_tokens and sp.max_tokens > 2
+                   for o, (_, sp) in zip(outs, reqs))
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dflash", "ngram"])
+def test_stop_token_inside_block(folders, prompts, plain, drafter):
+    """A stop token that plain decoding emits mid-generation ends the speculative request there too."""
+    ref = plain([(p, GREEDY) for p in prompts])
+    reqs = []
+    for p, r in zip(prompts, ref):
+        tok = r.token_ids[len(r.token_ids) // 2]  # a token from the middle of the plain output
+        reqs.append((p, dataclasses.replace(GREEDY, stop_token_ids=[tok])))
+    engine = make_engine(folders["target"], _drafter(folders, drafter))
+    outs = run_requests(engine, [(p, sp, None) for p, sp in reqs])
+    for o, r, (_, sp) in zip(outs, ref, reqs):
+        cut = r.token_ids.index(sp.stop_token_ids[0]) + 1
+        assert o.token_ids == r.token_ids[:cut]
+        assert o.finish_reason == "stop"
+    _assert_same(outs, plain(reqs))
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "ngram"])
+def test_chunked_prefill_and_preemption(folders, prompts, plain, drafter):
+    """A small token budget (prefill chunks beside decode chains) and a small pool (preemptions)."""
+    engine = make_engine(folders["target"], _drafter(folders, drafter), kv_cache_tokens=16 * 14,
+                         max_num_batched_tokens=40)
+    outs = run_requests(engine, [(p, GREEDY, None) for p in prompts])
+    _assert_same(outs, plain([(p, GREEDY) for p in prompts]))
+    assert engine.num_preemptions > 0
+    assert engine.spec_stats.accepted > 0
+
+
+TREES = [("dspark", 16, 2), ("dspark", 5, 3), ("dflash", 8, 2)]
+
+
+@pytest.mark.skipif(not HAS_TREE, reason="tree verification (SpecConfig.tree) is not implemented")
+@pytest.mark.parametrize("drafter,budget,topk", TREES, ids=[f"{d}-{b}x{k}" for d, b, k in TREES])
+def test_tree_matches_plain(folders, prompts, plain, drafter, budget, topk):
+    engine = make_engine(folders["target"], folders[drafter], tree=True, tree_budget=budget, tree_topk=topk)
+    sp = dataclasses.replace(GREEDY, max_tokens=24)
+    reqs = [(p, sp, b) for p, b in zip(prompts, range(1, 9))]
+    reqs += [(p, dataclasses.replace(GREEDY, max_tokens=m), None) for p, m in zip(prompts[:3], (2, 5, 7))]
+    outs = run_requests(engine, reqs)
+    _assert_same(outs, plain([(p, sp) for p, sp, _ in reqs]))
+    assert engine.spec_stats.verified > 0
+    if drafter == "dspark":
+        assert engine.spec_stats.accepted > 0
+
+
+def test_tree_stop_token_and_pressure(folders, prompts, plain):
+    if not HAS_TREE:
+        pytest.skip("tree verification (SpecConfig.tree) is not implemented")
+    ref = plain([(p, GREEDY) for p in prompts])
+    reqs = [(p, dataclasses.replace(GREEDY, stop_token_ids=[r.token_ids[len(r.token_ids) // 2]]))
+            for p, r in zip(prompts, ref)]
+    engine = make_engine(folders["target"], folders["dspark"], tree=True, tree_budget=12, tree_topk=2,
+                         kv_cache_tokens=16 * 16, max_num_batched_tokens=48)
+    outs = run_requests(engine, [(p, sp, None) for p, sp in reqs])
+    _assert_same(outs, plain(reqs))
+    assert engine.spec_stats.accepted > 0
+
+
+def test_smollm2_random_drafter(tmp_path):
+    """The default SmolLM2 target with a random DSpark drafter: same greedy tokens as plain decoding
+    (requests with spec=False on the same engine)."""
+    from spec_helpers import save_drafter_for
+
+    from dspark.models.loader import ModelLoadError, resolve_model_folder
+
+    try:
+        folder = resolve_model_folder(None)
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    engine = make_engine(folder, save_drafter_for(tmp_path / "rand", folder), block_size=5)
+    prompts = ["def fib(n):\n    if n < 2:\n        return n\n    return", "The capital of France is"]
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    ref = run_requests(engine, [(p, sp, None) for p in prompts], spec=False)
+    assert engine.spec_stats.verified == 0
+    outs = run_requests(engine, [(p, sp, b) for p, b in zip(prompts, (None, 3))])
+    _assert_same(outs, ref)
+    assert engine.spec_stats.verified > 0

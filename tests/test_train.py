@@ -1,0 +1,284 @@
+"""Tests for dspark.train: loss parts, masks, the dense multi-anchor forward against the paged
+inference path, training, export/reload and resume. A tiny random Llama target (SmolLM2's
+vocabulary and tokenizer, hidden 64, 4 layers) keeps everything on CPU and fast."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from dspark.models.drafters.checkpoint import load_drafter
+from dspark.train.data import TokenDataset, generate_dataset, read_prompts, GenSettings
+from dspark.train.features import block_mask, drafter_blocks, sample_anchors, target_features, valid_slots
+from dspark.train.loss import batch_loss, decay_weights, dspark_loss, target_c_star
+from dspark.train.trainer import (TrainConfig, Trainer, default_layer_ids, load_target, make_drafter_config,
+                                  new_drafter)
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from dspark.models.loader import resolve_model_folder
+
+    src = resolve_model_folder(None)
+    out = tmp_path_factory.mktemp("tiny")
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        m.model.embed_tokens.weight.normal_(0, 0.5)
+    m.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(src) / f).exists():
+            shutil.copy(Path(src) / f, out / f)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_folder):
+    return load_target(tiny_folder, "cpu", torch.float32)[0]
+
+
+def _drafter(target, block=4, rank=8, seed=0):
+    dc = make_drafter_config(target.config, num_layers=2, block_size=block, markov_rank=rank,
+                             layer_ids=[0, 1, 2], mask_token_id=16)
+    d = new_drafter(dc, target, seed)
+    with torch.no_grad():  # non-zero Markov head so the tests exercise it
+        d.markov_head.markov_w2.weight.normal_(0, 0.1)
+    return d
+
+
+def _write_shard(path, seqs, prompt_lens):
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({"tokens": np.concatenate([np.asarray(s, np.int32) for s in seqs]),
+               "offsets": np.cumsum([0] + [len(s) for s in seqs]).astype(np.int64),
+               "prompt_lens": np.asarray(prompt_lens, np.int32),
+               "prompt_index": np.arange(len(seqs), dtype=np.int64),
+               "sampled": np.zeros(len(seqs), np.uint8)}, str(path / "shard_00000.safetensors"))
+
+
+def _toy_data(tmp_path, n=12):
+    rng = np.random.default_rng(0)
+    seqs, pls = [], []
+    for i in range(n):
+        p = int(rng.integers(4, 8))
+        start = int(rng.integers(100, 200))
+        resp = [(start + 3 * j) % 300 + 100 for j in range(int(rng.integers(20, 30)))]  # learnable pattern
+        seqs.append([1] + list(rng.integers(100, 400, p - 1)) + resp)
+        pls.append(p)
+    _write_shard(tmp_path / "data", seqs, pls)
+    return TokenDataset(tmp_path / "data")
+
+
+# ------------------------------------------------------------------ loss parts
+def test_cstar_and_loss_parts_by_hand():
+    d = torch.tensor([[0.0, 0.0], [0.0, 0.0]])  # p_d = [.5, .5]
+    t = torch.tensor([[math.log(3.0), 0.0], [0.0, 0.0]])  # p_t = [.75, .25] and [.5, .5]
+    assert torch.allclose(target_c_star(d.softmax(-1), t.softmax(-1)), torch.tensor([0.75, 1.0]))
+    labels = torch.tensor([0, 1])
+    conf = torch.tensor([0.0, 0.0])
+    slot = torch.tensor([0, 1])
+    total, parts = dspark_loss(d, t, labels, conf, slot, gamma=4.0)
+    w1 = math.exp(-1 / 4)
+    ce = (math.log(2) + w1 * math.log(2)) / 2
+    l1 = (0.5 + w1 * 0.0) / 2
+    bce = (math.log(2) + w1 * math.log(2)) / 2  # BCE(sigmoid(0)=.5, c*) = ln 2 for any c*
+    assert parts["ce"].item() == pytest.approx(ce, abs=1e-6)
+    assert parts["l1"].item() == pytest.approx(l1, abs=1e-6)
+    assert parts["bce"].item() == pytest.approx(bce, abs=1e-6)
+    assert total.item() == pytest.approx(0.1 * ce + 0.9 * l1 + 1.0 * bce, abs=1e-6)
+    # c* is a detached target: no gradient flows into p_d through it
+    d2 = d.clone().requires_grad_(True)
+    c2 = torch.tensor([1.0, -1.0], requires_grad=True)
+    _, p = dspark_loss(d2, t, labels, c2, slot)
+    bce_only = torch.nn.functional.binary_cross_entropy_with_logits(c2, torch.tensor([0.75, 1.0]), reduction="none")
+    assert p["bce"].item() == pytest.approx(((bce_only * torch.tensor([1.0, w1])).sum() / 2).item(), abs=1e-6)
+
+
+def test_decay_weights():
+    w = decay_weights(8, 4.0)
+    assert torch.allclose(w, torch.tensor([math.exp(-k / 4) for k in range(8)]))
+    assert w[0] == 1.0
+
+
+def test_default_layer_ids():
+    assert default_layer_ids(30) == [1, 7, 14, 20, 27]
+
+
+def test_valid_prefix_mask():
+    lengths = torch.tensor([10])
+    resp = torch.zeros(1, 12, dtype=torch.bool)
+    resp[0, 4:10] = True
+    resp[0, 7] = False  # a hole: slots targeting 7 and everything after must drop
+    anchors = torch.tensor([[4, 8, 5]])
+    ok = torch.tensor([[True, True, False]])
+    v = valid_slots(anchors, ok, lengths, resp, 4)
+    assert v[0, 0].tolist() == [True, True, False, False]  # targets 5, 6, 7(hole), 8
+    assert v[0, 1].tolist() == [True, False, False, False]  # targets 9, 10 (past the end)
+    assert v[0, 2].tolist() == [False] * 4  # padding anchor
+
+
+def test_sample_anchors_on_response():
+    a, ok = sample_anchors([10, 6], [5, 5], 8, 4, torch.Generator().manual_seed(0))
+    assert sorted(a[0][ok[0]].tolist()) == [5, 6, 7, 8]
+    assert a[1][ok[1]].tolist() == [] and not ok[1].any()
+
+
+def test_block_mask_shape():
+    m = block_mask(torch.tensor([[2, 5]]), 6, 3)[0, 0]
+    assert m.shape == (6, 12)
+    assert m[0, :6].tolist() == [True, True, False, False, False, False]
+    assert m[3, :6].tolist() == [True] * 5 + [False]
+    assert m[0, 6:].tolist() == [True] * 3 + [False] * 3
+
+
+# ------------------------------------------------------------------ forwards
+def test_target_features_match_hf(tiny_folder, target):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 500, 600, 700, 800, 900, 1000, 42], [1, 9, 8, 7, 6, 5, 2, 2]])
+    with torch.no_grad():
+        out = hf(input_ids=ids, output_hidden_states=True)
+        feats, final = target_features(target, ids, [0, 2])
+    H = target.config.hidden_size
+    assert torch.allclose(feats[..., :H], out.hidden_states[1], atol=1e-4)
+    assert torch.allclose(feats[..., H:], out.hidden_states[3], atol=1e-4)
+    assert torch.allclose(target.lm_head(final), out.logits, atol=1e-3)
+
+
+def test_multi_anchor_equals_single_and_inference_path(target):
+    from dspark.engine.attention import AttnBatch, TorchAttention
+    from dspark.engine.kv_cache import KVCache
+
+    d = _drafter(target).eval()
+    torch.manual_seed(1)
+    tokens = torch.randint(20, 3000, (1, 24))
+    with torch.no_grad():
+        feats, _ = target_features(target, tokens, d.config.target_layer_ids)
+        anchors = torch.tensor([[5, 11, 17, 20]])
+        multi = drafter_blocks(d, feats, tokens, anchors)
+        c = d.config
+        for i, a in enumerate(anchors[0].tolist()):
+            single = drafter_blocks(d, feats, tokens, torch.tensor([[a]]))
+            assert torch.allclose(multi[0, i], single[0, 0], atol=1e-5)
+            # the paged inference path: context 0..a-1 written to the drafter cache, block at a..a+B-1
+            ps, npages = 16, 4
+            kv = KVCache(c.num_hidden_layers, npages, ps, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+            pages = [0, 1, 2, 3]
+            slots = torch.arange(a)
+            d.write_context(feats[0, :a], torch.arange(a), slots, kv)
+            attn = TorchAttention("cpu")
+            attn.plan(AttnBatch(q_lens=[c.block_size], kv_lens=[a + c.block_size], page_tables=[pages],
+                                page_size=ps, mask="full"))
+            ids = torch.tensor([tokens[0, a].item()] + [c.mask_token_id] * (c.block_size - 1))
+            ref = d.block_hidden(ids, torch.arange(a, a + c.block_size), attn, kv)
+            assert torch.allclose(multi[0, i], ref, atol=1e-5)
+
+
+# ------------------------------------------------------------------ training
+def _trainer(target, data, out, steps=6, seed=0, **kw):
+    d = _drafter(target, seed=seed)
+    cfg = TrainConfig(steps=steps, batch_size=4, anchors_per_seq=6, lr=3e-3, warmup=2, seed=seed,
+                      save_every=0, log_every=1, progress=False, export_dtype="fp32", **kw)
+    return Trainer(target, d, data, cfg, out, pad_id=2)
+
+
+def test_training_lowers_loss(target, tmp_path):
+    data = _toy_data(tmp_path)
+    tr = _trainer(target, data, tmp_path / "run", steps=20)
+    with torch.no_grad():
+        before = float(tr.micro_loss(10_000)[0])
+    tr.fit()
+    with torch.no_grad():
+        after = float(tr.micro_loss(10_000)[0])
+    assert after < 0.8 * before, (before, after)
+
+
+def test_export_reload_same_outputs(target, tmp_path):
+    data = _toy_data(tmp_path)
+    tr = _trainer(target, data, tmp_path / "run", steps=3)
+    tr.fit()
+    stats = tr.export(tmp_path / "run" / "final")
+    assert stats["steps"] == 3
+    cfg = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert cfg["block_size"] == 4 and cfg["mask_token_id"] == 16 and cfg["markov_rank"] == 8
+    d2 = load_drafter(tmp_path / "run" / "final", target, torch.float32, "cpu")
+    d1 = tr.drafter.eval()
+    b = data.batch([0, 1], 2, "cpu")
+    a, ok = sample_anchors(b["lens"], b["prompt_lens"], 5, 4, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        feats, final = target_features(target, b["ids"], d1.config.target_layer_ids)
+        h1, h2 = drafter_blocks(d1, feats, b["ids"], a), drafter_blocks(d2, feats, b["ids"], a)
+        assert torch.allclose(h1, h2, atol=1e-6)
+        prev = b["ids"][:, :4]
+        assert torch.allclose(d1.step_logits(d1.head(h1[:, 0]), prev), d2.step_logits(d2.head(h2[:, 0]), prev))
+        assert torch.allclose(d1.confidence(h1[:, 0], prev), d2.confidence(h2[:, 0], prev))
+        l1 = batch_loss(d1, target.lm_head, feats, final, b["ids"], b["lengths"], b["resp"], a, ok)[0]
+        l2 = batch_loss(d2, target.lm_head, feats, final, b["ids"], b["lengths"], b["resp"], a, ok)[0]
+    assert l1.item() == pytest.approx(l2.item(), abs=1e-6)
+
+
+def test_resume_continues_the_same_run(target, tmp_path):
+    data = _toy_data(tmp_path)
+    full = _trainer(target, data, tmp_path / "a", steps=5)
+    losses_full = [full.train_step()["loss"] for _ in range(5)]
+    part = _trainer(target, data, tmp_path / "b", steps=5)
+    for _ in range(3):
+        part.train_step()
+    part.save_checkpoint()
+    resumed = _trainer(target, data, tmp_path / "b", steps=5, seed=0)
+    assert resumed.load_checkpoint() and resumed.step == 3
+    losses_resumed = [resumed.train_step()["loss"] for _ in range(2)]
+    assert losses_resumed == pytest.approx(losses_full[3:], rel=1e-5, abs=1e-6)
+
+
+def test_generate_dataset_resumable(tiny_folder, tmp_path):
+    pf = tmp_path / "p.jsonl"
+    rows = [{"id": f"x{i}", "category": "c", "prompt": f"Say {i}"} for i in range(3)]
+    rows.append({"id": "t", "category": "d", "turns": ["Hi there"]})
+    pf.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_prompts(pf)[3]["messages"][0]["content"] == "Hi there"
+    s = GenSettings(max_new_tokens=6, shard_size=2, batch_size=4, sample_share=0.5)
+    st = generate_dataset(str(pf), tmp_path / "data", None, tiny_folder, "cpu", torch.float32, s, progress=False)
+    assert st["shards_written"] == 2 and st["sequences"] == 4
+    ds = TokenDataset(tmp_path / "data")
+    assert all(len(x) > p for x, p in zip(ds.seqs, ds.prompt_lens))
+    again = generate_dataset(str(pf), tmp_path / "data", None, tiny_folder, "cpu", torch.float32, s, progress=False)
+    assert again["shards_written"] == 0
+
+
+def test_generate_dense_matches_hf_greedy(tiny_folder, target):
+    from dspark.train.features import generate_dense
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    prompts = [[1, 500, 600, 700, 800], [1, 42, 43], [1, 9, 8, 7, 6, 5, 4]]
+    got = generate_dense(target, prompts, 6, [0.0, 0.0, 0.0], {2}, pad_id=2)
+    for p, g in zip(prompts, got):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=2)
+        ref = ref[0, len(p):].tolist()
+        if 2 in ref:
+            ref = ref[:ref.index(2) + 1]
+        assert g == ref
+    sampled = generate_dense(target, prompts, 4, [0.7, 0.0, 0.7], {2}, pad_id=2, seed=1)
+    assert sampled[1] == got[1][:4] and all(1 <= len(r) <= 4 for r in sampled)
+
+
+def test_dense_backend_data_equals_engine_greedy(tiny_folder, tmp_path):
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"prompt": f"Count to {i}, please"}) + "\n" for i in range(3)))
+    out = {}
+    for backend in ("engine", "dense"):
+        s = GenSettings(max_new_tokens=5, shard_size=8, batch_size=2, sample_share=0.0, backend=backend)
+        generate_dataset(str(pf), tmp_path / backend, None, tiny_folder, "cpu", torch.float32, s, progress=False)
+        out[backend] = [x.tolist() for x in TokenDataset(tmp_path / backend).seqs]
+    assert out["engine"] == out["dense"]

@@ -73,28 +73,34 @@ def save_tiny_target(folder: str | Path, predictable: bool = True, seed: int = 0
     return str(folder)
 
 
-def drafter_config(kind: str, block_size: int, markov_rank: int = 0, num_layers: int = 1, vocab: int = VOCAB):
+def drafter_config(kind: str, block_size: int, markov_rank: int = 0, num_layers: int = 1, vocab: int = VOCAB,
+                   draft_vocab_size: int | None = None):
     from dspark.models.drafters.dspark import DrafterConfig
 
     return DrafterConfig(kind=kind, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=num_layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab,
                          block_size=block_size, mask_token_id=MASK_ID, target_layer_ids=list(LAYER_IDS),
                          num_target_layers=LAYERS, markov_rank=markov_rank if kind == "dspark" else 0,
-                         confidence_head=kind == "dspark", rope_theta=10000.0)
+                         confidence_head=kind == "dspark", rope_theta=10000.0, draft_vocab_size=draft_vocab_size)
 
 
 def save_tiny_drafter(folder: str | Path, kind: str = "dspark", block_size: int = 8, markov: bool = True,
-                      seed: int = 1, beta: float = 60.0, vocab: int = VOCAB) -> str:
+                      seed: int = 1, beta: float = 60.0, vocab: int = VOCAB,
+                      draft_vocab: list[int] | None = None) -> str:
     """A random drafter for the tiny target; with markov=True (DSpark) its Markov head encodes f
-    (on SmolLM2's vocabulary; on a smaller one it stays random)."""
+    (on SmolLM2's vocabulary; on a smaller one it stays random). draft_vocab: a reduced draft
+    vocabulary (sorted target ids) the drafter proposes from."""
     from dspark.models.drafters.checkpoint import save_drafter
     from dspark.models.drafters.dspark import BlockDrafter
 
     rank = len(ALPHABET) if kind == "dspark" else 0
     markov = markov and vocab > max(ALPHABET)
     torch.manual_seed(seed)
-    d = BlockDrafter(drafter_config(kind, block_size, rank, vocab=vocab), HIDDEN)
+    d = BlockDrafter(drafter_config(kind, block_size, rank, vocab=vocab,
+                                    draft_vocab_size=len(draft_vocab) if draft_vocab else None), HIDDEN)
     with torch.no_grad():
+        if draft_vocab:
+            d.draft_to_target.copy_(torch.tensor(draft_vocab))
         for name, p in d.named_parameters():
             if name.endswith("proj.weight") and "confidence" not in name:
                 p.normal_(0, 0.2)
@@ -112,7 +118,7 @@ def save_tiny_drafter(folder: str | Path, kind: str = "dspark", block_size: int 
                     w1[t, i] = 1.0
                     w2[follow(t), i] = beta
             d.markov_head.markov_w1.weight.copy_(w1)
-            d.markov_head.markov_w2.weight.copy_(w2)
+            d.markov_head.markov_w2.weight.copy_(w2[draft_vocab] if draft_vocab else w2)
     save_drafter(d, folder)
     return str(folder)
 
@@ -159,7 +165,8 @@ def assets(tmp_path_factory) -> dict[str, str]:
     """Build (once per session) the tiny targets and their drafters; returns their folders:
     target, dspark (Markov head encodes f, block 8), dflash (block 9: 8 drafts), dspark_soft
     (weak Markov head, block 4: spread-out draft distributions), small_target (vocab 12, random:
-    its sampling distribution can be enumerated) and small_dspark (random, block 3)."""
+    its sampling distribution can be enumerated), small_dspark (random, block 3), and
+    small_dspark_rv / dspark_rv (the same kinds with a reduced draft vocabulary)."""
     if not _ASSETS:
         root = tmp_path_factory.mktemp("spec_assets")
         _ASSETS["target"] = save_tiny_target(root / "target")
@@ -170,6 +177,11 @@ def assets(tmp_path_factory) -> dict[str, str]:
                                                    vocab=SMALL_VOCAB)
         _ASSETS["small_dspark"] = save_tiny_drafter(root / "small_dspark", "dspark", 3, markov=False, seed=5,
                                                     vocab=SMALL_VOCAB)
+        # reduced draft vocabularies: q = 0 outside them, so some target tokens are never drafted
+        _ASSETS["small_dspark_rv"] = save_tiny_drafter(root / "small_dspark_rv", "dspark", 3, markov=False,
+                                                       seed=6, vocab=SMALL_VOCAB, draft_vocab=[3, 5, 6, 7, 9, 10])
+        _ASSETS["dspark_rv"] = save_tiny_drafter(root / "dspark_rv", "dspark", 8,
+                                                 draft_vocab=list(range(17)) + ALPHABET[:16])
     return dict(_ASSETS)
 
 

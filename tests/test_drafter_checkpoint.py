@@ -300,3 +300,19 @@ def test_broken_checkpoints_are_refused(tmp_path, target):
     (tmp_path / "e").mkdir()
     with pytest.raises(ValueError, match="config.json"):
         load_drafter(tmp_path / "e", target, torch.float32, "cpu")
+
+
+def test_reduced_vocab_map_is_checked(tmp_path, target):
+    from dspark.models.drafters.dspark import BlockDrafter, DrafterConfig
+
+    sd = raw_tensors("dspark")
+    cfg = hf_config("dspark", draft_vocab_size=4)
+    assert BlockDrafter(DrafterConfig.from_hf(cfg), HT).markov_head.markov_w2.weight.shape == (4, RANK)
+    good = dict(sd, **{"markov_head.markov_w2.weight": sd["markov_head.markov_w2.weight"][:4]})
+    good["draft_to_target"] = torch.tensor([1, 5, 9, 20])
+    loaded = load_drafter(write(tmp_path / "ok", cfg, good), target, torch.float32, "cpu")
+    assert loaded.draft_to_target.tolist() == [1, 5, 9, 20]
+    for bad in ([1, 5, 9, V], [1, 5, 5, 9]):
+        good["draft_to_target"] = torch.tensor(bad)
+        with pytest.raises(ValueError, match="draft_to_target"):
+            load_drafter(write(tmp_path / f"bad{bad[-1]}{bad[2]}", cfg, good), target, torch.float32, "cpu")

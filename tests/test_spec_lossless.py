@@ -310,10 +310,12 @@ def small(tmp_path_factory):
 
 
 SMALL_PROMPT = [3, 5, 7, 9, 3, 5, 7, 9, 3, 5, 7]  # repetitive, so n-gram drafts too
-E2E = [("none", False), ("small_dspark", False), ("small_dspark", True), ("ngram", False)]
+E2E = [("none", False), ("small_dspark", False), ("small_dspark", True), ("ngram", False),
+       ("small_dspark_rv", False), ("small_dspark_rv", True)]
 
 
-@pytest.mark.parametrize("drafter,tree", E2E, ids=["plain", "dspark-chain", "dspark-tree", "ngram"])
+@pytest.mark.parametrize("drafter,tree", E2E, ids=["plain", "dspark-chain", "dspark-tree", "ngram",
+                                                    "dspark-reduced-vocab-chain", "dspark-reduced-vocab-tree"])
 def test_engine_sampling_matches_target(small, drafter, tree):
     n = 3000
     engine = make_engine(small["small_target"], small.get(drafter, drafter), tree=tree, tree_budget=4,

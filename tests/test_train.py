@@ -282,3 +282,76 @@ def test_dense_backend_data_equals_engine_greedy(tiny_folder, tmp_path):
         generate_dataset(str(pf), tmp_path / backend, None, tiny_folder, "cpu", torch.float32, s, progress=False)
         out[backend] = [x.tolist() for x in TokenDataset(tmp_path / backend).seqs]
     assert out["engine"] == out["dense"]
+
+
+# ------------------------------------------------------------------ reduced draft vocabulary
+def test_reduced_vocab_loss_by_hand():
+    """p_d lives on draft ids {0, 2} of a 3-token vocabulary: L1 gains the target's mass on id 1,
+    a label outside the draft vocabulary adds no CE, and the log-normalizer path agrees."""
+    d2t = torch.tensor([0, 2])
+    d = torch.tensor([[0.0, 0.0], [0.0, 0.0]])  # p_d = [.5, 0, .5] over the target vocabulary
+    t = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.5, 0.25]]))
+    labels = torch.tensor([2, 1])  # the second label cannot be drafted
+    slot = torch.tensor([0, 0])
+    _, parts = dspark_loss(d, t, labels, None, slot, draft_to_target=d2t)
+    l1 = ((0.0 + 0.25 + 0.25) + (0.25 + 0.5 + 0.25)) / 2
+    assert parts["l1"].item() == pytest.approx(l1, abs=1e-6)
+    assert parts["ce"].item() == pytest.approx(math.log(2) / 2, abs=1e-6)
+    assert parts["acc"].item() == pytest.approx(0.0)  # argmax ties pick id 0, never 2; id 1 impossible
+    lse = torch.logsumexp(t, -1)
+    _, parts2 = dspark_loss(d, t[:, d2t], labels, None, slot, draft_to_target=d2t, target_lse=lse)
+    for k in ("ce", "l1", "cstar"):
+        assert parts2[k].item() == pytest.approx(parts[k].item(), abs=1e-6)
+
+
+def _rv_drafter(target, data, n=64, seed=0):
+    from dspark.train.trainer import frequent_tokens
+
+    vocab = frequent_tokens(data, n, target.config.vocab_size)
+    dc = make_drafter_config(target.config, num_layers=1, block_size=4, markov_rank=8, layer_ids=[0, 1, 2],
+                             mask_token_id=16, draft_vocab_size=n)
+    return new_drafter(dc, target, seed, vocab), vocab
+
+
+def test_frequent_tokens_cover_the_responses(target, tmp_path):
+    data = _toy_data(tmp_path)
+    from dspark.train.trainer import frequent_tokens
+
+    vocab = frequent_tokens(data, 300, target.config.vocab_size)
+    resp = set(np.concatenate([s[p:] for s, p in zip(data.seqs, data.prompt_lens)]).tolist())
+    assert resp <= set(vocab.tolist()) and vocab.tolist() == sorted(vocab.tolist())
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        frequent_tokens(data, 0, target.config.vocab_size)
+
+
+def test_reduced_vocab_training_cached_features_export(target, tmp_path):
+    """Cached features (bf16 + log-normalizers) give the loss of the uncached full-head path; a few
+    steps lower it; the export keeps the vocabulary and reloads to the same logits."""
+    data = _toy_data(tmp_path)
+    d, vocab = _rv_drafter(target, data)
+    cfg = dict(steps=20, batch_size=4, anchors_per_seq=6, lr=3e-3, warmup=2, save_every=0, log_every=1,
+               progress=False, export_dtype="fp32")
+    plain = Trainer(target, d, data, TrainConfig(**cfg), tmp_path / "a", pad_id=2)
+    cached = Trainer(target, _rv_drafter(target, data)[0], data, TrainConfig(cache_features=True, **cfg),
+                     tmp_path / "b", pad_id=2)
+    with torch.no_grad():
+        l_plain, l_cached = float(plain.micro_loss(0)[0]), float(cached.micro_loss(0)[0])
+        assert l_cached == pytest.approx(l_plain, rel=2e-2)
+        assert float(cached.micro_loss(0)[0]) == pytest.approx(l_cached, rel=1e-6)  # served from the cache
+        before = float(cached.micro_loss(10_000)[0])
+    cached.fit()
+    with torch.no_grad():
+        after = float(cached.micro_loss(10_000)[0])
+    assert after < 0.8 * before, (before, after)
+    cached.export(tmp_path / "b" / "final")
+    cfg_json = json.loads((tmp_path / "b" / "final" / "config.json").read_text())
+    assert cfg_json["draft_vocab_size"] == 64
+    d2 = load_drafter(tmp_path / "b" / "final", target, torch.float32, "cpu")
+    assert d2.draft_to_target.tolist() == vocab.tolist()
+    h = torch.randn(3, target.config.hidden_size)
+    prev = torch.tensor([5, 100, 200])
+    full = d2.step_logits(d2.head(h), prev)
+    assert torch.isinf(full).sum(-1).tolist() == [target.config.vocab_size - 64] * 3
+    d1 = cached.drafter.eval()
+    assert torch.allclose(full, d1.step_logits(d1.head(h), prev), atol=1e-5)
+    assert torch.allclose(full[:, vocab], d1.step_logits(d1.draft_logits(h), prev), atol=1e-5)

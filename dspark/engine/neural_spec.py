@@ -107,7 +107,7 @@ class NeuralSpecRunner(SpecRunner):
         Children are tried as one-hot proposals, so no q is kept."""
         anchors = torch.tensor([s.output_ids[-1] for s in active], device=base.device)
         depth = [self.draft_budget(s) for s in active]
-        markov = self.drafter.markov_head
+        markov = self.drafter.markov_bias if self.drafter.markov_head is not None else None
         trees = build_trees(base[:, :max(depth)], anchors, markov, [self.cfg.tree_budget] * len(active),
                             depth, self.cfg.tree_topk)
         for s in active:

@@ -43,6 +43,8 @@ def add_train_parsers(sub) -> None:
     m.add_argument("--markov-rank", type=int, default=32)
     m.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
     m.add_argument("--target-layers", default=None, help="comma list (default: 5 spread from 1 to L-3)")
+    m.add_argument("--draft-vocab", type=int, default=None,
+                   help="reduced draft vocabulary: the N most frequent response tokens (default: the full one)")
     m.add_argument("--mask-token-id", type=int, default=None, help="default: <empty_output> (16) for SmolLM2")
     o = t.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=2000)
@@ -62,6 +64,8 @@ def add_train_parsers(sub) -> None:
     o.add_argument("--time-budget-minutes", type=float, default=None)
     o.add_argument("--export-dtype", default="bf16", choices=["fp32", "bf16"])
     o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--cache-features", action="store_true",
+                   help="keep target features in RAM after their first use (bf16, ~2*(m+1)*hidden bytes a token)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval-drafter", help="tau per category, acceptance per position, confidence savings")
@@ -96,6 +100,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         Trainer,
         checkpoint_bytes,
         default_mask_token,
+        frequent_tokens,
         load_target,
         make_drafter_config,
         new_drafter,
@@ -126,8 +131,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     dc = make_drafter_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
                              markov_rank=args.markov_rank, layer_ids=layer_ids, intermediate_size=args.intermediate_size,
                              mask_token_id=args.mask_token_id if args.mask_token_id is not None
-                             else default_mask_token(tok))
-    drafter = new_drafter(dc, target, args.seed)
+                             else default_mask_token(tok), draft_vocab_size=args.draft_vocab)
+    vocab = frequent_tokens(data, args.draft_vocab, target.config.vocab_size) if args.draft_vocab else None
+    drafter = new_drafter(dc, target, args.seed, vocab)
     size = checkpoint_bytes(drafter, DTYPES[args.export_dtype])
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, "
           f"{size / 1e6:.1f} MB as {args.export_dtype}; data: {len(data)} sequences, {data.num_tokens()} tokens; "
@@ -139,7 +145,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       gamma=args.gamma, dtype=dtype, device=device, seed=args.seed, save_every=args.save_every,
                       log_every=args.log_every, max_len=args.max_len, deadline=deadline,
-                      export_dtype=args.export_dtype, progress=not args.no_progress)
+                      export_dtype=args.export_dtype, progress=not args.no_progress,
+                      cache_features=args.cache_features)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     tr = Trainer(target, drafter, data, cfg, out, pad_id=pad)
     if tr.load_checkpoint():

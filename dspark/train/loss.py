@@ -35,16 +35,35 @@ def target_c_star(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
 
 def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
                 conf_logits: torch.Tensor | None, slot: torch.Tensor, gamma: float = 4.0,
-                weights: tuple[float, float, float] = LOSS_WEIGHTS) -> tuple[torch.Tensor, dict]:
-    """Loss over N supervised slots: logits [N, V] (float32), labels [N], conf_logits [N] or None,
-    slot [N] (block position k of each row). Returns (total, parts as floats)."""
+                weights: tuple[float, float, float] = LOSS_WEIGHTS,
+                draft_to_target: torch.Tensor | None = None,
+                target_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Loss over N supervised slots: draft logits [N, Vd] and target logits [N, V] (float32),
+    labels [N] (target ids), conf_logits [N] or None, slot [N] (block position k of each row).
+
+    With a reduced draft vocabulary (draft_to_target [Vd], target ids) p_d is 0 outside it, so
+    the L1 distance gains the target mass there, and a label outside it adds no CE term. Given
+    target_lse [N] (the target's log-normalizer over the full vocabulary), target_logits are
+    already restricted to the draft vocabulary [N, Vd]: the full-vocabulary head is then never run.
+    Returns (total, parts as floats)."""
     n = max(1, labels.numel())
     w = torch.exp(-slot.float() / gamma)
-    logp_d = F.log_softmax(draft_logits.float(), -1)
-    p_d = logp_d.exp()
-    p_t = F.softmax(target_logits.float(), -1)
-    ce = F.cross_entropy(draft_logits.float(), labels, reduction="none")
-    l1 = (p_d - p_t).abs().sum(-1)
+    p_d = F.softmax(draft_logits.float(), -1)
+    outside = 0.0
+    if draft_to_target is None:
+        p_t = F.softmax(target_logits.float(), -1)
+    else:
+        if target_lse is None:
+            p_t = F.softmax(target_logits.float(), -1)[:, draft_to_target]
+        else:
+            p_t = torch.exp(target_logits.float() - target_lse.float()[:, None])
+        outside = (1.0 - p_t.sum(-1)).clamp(min=0.0)
+        t2d = torch.full((max(int(labels.max()), int(draft_to_target.max())) + 1,), -100, dtype=torch.long,
+                         device=labels.device)
+        t2d[draft_to_target] = torch.arange(draft_to_target.numel(), device=labels.device)
+        labels = t2d[labels]
+    ce = F.cross_entropy(draft_logits.float(), labels, reduction="none", ignore_index=-100)
+    l1 = (p_d - p_t).abs().sum(-1) + outside
     cstar = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
     ce_m, l1_m = (ce * w).sum() / n, (l1 * w).sum() / n
     total = weights[0] * ce_m + weights[1] * l1_m
@@ -62,9 +81,11 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
 def batch_loss(drafter, target_lm_head, feats: torch.Tensor, final_hidden: torch.Tensor,
                tokens: torch.Tensor, lengths: torch.Tensor, resp_mask: torch.Tensor,
                anchors: torch.Tensor, anchor_ok: torch.Tensor, gamma: float = 4.0,
-               chunk_rows: int = 0) -> tuple[torch.Tensor, dict]:
+               final_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Full DSpark loss for a batch: one multi-anchor drafter forward, LM heads only on the
-    supervised slots. feats/final_hidden come from features.target_features (no grad)."""
+    supervised slots. feats/final_hidden come from features.target_features (no grad);
+    final_lse [B, T] (the target's log-normalizers) lets a reduced-vocabulary drafter skip the
+    target's full LM head."""
     c = drafter.config
     Bk = c.block_size
     h = drafter_blocks(drafter, feats, tokens, anchors)  # [B, A, Bk, H]
@@ -78,11 +99,17 @@ def batch_loss(drafter, target_lm_head, feats: torch.Tensor, final_hidden: torch
     labels = tokens[b_idx, pos + 1]
     prev = tokens[b_idx, pos]  # teacher forcing: x_{k-1} = tok[a+k] (the anchor for k = 0)
     hs = h[b_idx, a_idx, k_idx]  # [N, H]
+    d2t, lse = drafter.draft_to_target, None
     with torch.no_grad():
-        t_logits = target_lm_head(final_hidden[b_idx, pos]).float()
-    d_logits = drafter.step_logits(drafter.head(hs), prev)
+        if d2t is not None and final_lse is not None:
+            t_logits = F.linear(final_hidden[b_idx, pos], target_lm_head.weight[d2t]).float()
+            lse = final_lse[b_idx, pos]
+        else:
+            t_logits = target_lm_head(final_hidden[b_idx, pos]).float()
+    d_logits = drafter.step_logits(drafter.draft_logits(hs), prev)
     conf = drafter.confidence(hs, prev)
-    total, parts = dspark_loss(d_logits, t_logits, labels, conf, k_idx, gamma)
+    total, parts = dspark_loss(d_logits, t_logits, labels, conf, k_idx, gamma, draft_to_target=d2t,
+                               target_lse=lse)
     parts["slots"] = int(b_idx.numel())
     return total, parts
 

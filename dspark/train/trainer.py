@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -52,6 +53,7 @@ class TrainConfig:
     deadline: float | None = None  # absolute time.time() at which to stop (set by the CLI)
     export_dtype: str = "bf16"
     progress: bool = True
+    cache_features: bool = False  # keep each sequence's target features in RAM (bf16) after first use
     drafter: dict = field(default_factory=dict)
 
 
@@ -74,7 +76,7 @@ def default_mask_token(tokenizer) -> int:
 
 def make_drafter_config(tc, *, num_layers: int = 2, block_size: int = 8, markov_rank: int = 32,
                         layer_ids: list[int] | None = None, mask_token_id: int = 0,
-                        intermediate_size: int | None = None) -> DrafterConfig:
+                        intermediate_size: int | None = None, draft_vocab_size: int | None = None) -> DrafterConfig:
     """A DSpark drafter shaped like the target's layers (heads, head_dim, hidden)."""
     return DrafterConfig(
         kind="dspark", hidden_size=tc.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
@@ -83,12 +85,28 @@ def make_drafter_config(tc, *, num_layers: int = 2, block_size: int = 8, markov_
         block_size=block_size, mask_token_id=mask_token_id,
         target_layer_ids=layer_ids or default_layer_ids(tc.num_hidden_layers),
         num_target_layers=tc.num_hidden_layers, markov_rank=markov_rank, confidence_head=True,
-        rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling)
+        rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling,
+        draft_vocab_size=draft_vocab_size)
 
 
-def new_drafter(dc: DrafterConfig, target, seed: int) -> BlockDrafter:
+def frequent_tokens(data: TokenDataset, n: int, vocab: int) -> torch.Tensor:
+    """The n most frequent response tokens of the data, ascending ids (the draft vocabulary)."""
+    if not 0 < n <= vocab:
+        raise ValueError(f"draft vocabulary size must be in [1, {vocab}], got {n}")
+    counts = np.zeros(vocab, dtype=np.int64)
+    for seq, p in zip(data.seqs, data.prompt_lens):
+        counts += np.bincount(seq[p:], minlength=vocab)
+    top = np.argsort(-counts, kind="stable")[:n]
+    return torch.from_numpy(np.sort(top).astype(np.int64))
+
+
+def new_drafter(dc: DrafterConfig, target, seed: int, draft_vocab: torch.Tensor | None = None) -> BlockDrafter:
     torch.manual_seed(seed)
     d = BlockDrafter(dc, target.config.hidden_size)
+    if draft_vocab is not None:
+        if dc.draft_vocab_size != draft_vocab.numel():
+            raise ValueError(f"draft vocabulary has {draft_vocab.numel()} ids, config says {dc.draft_vocab_size}")
+        d.draft_to_target.copy_(draft_vocab)
     if d.markov_head is not None:  # start as a pure parallel drafter (notebook section 8)
         torch.nn.init.normal_(d.markov_head.markov_w1.weight, std=0.02)
         torch.nn.init.zeros_(d.markov_head.markov_w2.weight)
@@ -136,6 +154,7 @@ class Trainer:
         self.elapsed = 0.0
         self.history: list[dict] = []
         self.amp = DTYPES[cfg.dtype] == torch.bfloat16
+        self._features: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cache_features: idx -> (feats, final)
 
     # ------------------------------------------------------------------ schedule, batches
     def lr_at(self, step: int) -> float:
@@ -166,10 +185,36 @@ class Trainer:
                                      self.drafter.config.block_size, gen)
         anchors, ok = anchors.to(self.dev), ok.to(self.dev)
         with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.amp):
-            with torch.no_grad():
-                feats, final = target_features(self.target, b["ids"], self.drafter.config.target_layer_ids)
+            feats, final, lse = self.features(self.batch_indices(micro), b)
             return batch_loss(self.drafter, self.target.lm_head, feats, final, b["ids"], b["lengths"],
-                              b["resp"], anchors, ok, gamma=c.gamma)
+                              b["resp"], anchors, ok, gamma=c.gamma, final_lse=lse)
+
+    @torch.no_grad()
+    def features(self, idx: list[int], b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(feats, final hidden, log-normalizers or None) of a padded batch. With cache_features each
+        sequence's are computed once and kept in RAM: bf16 features (2 * (m + 1) * hidden bytes a
+        token) and the float32 log-normalizer of the target's full-vocabulary softmax."""
+        layers = self.drafter.config.target_layer_ids
+        if not self.cfg.cache_features:
+            return (*target_features(self.target, b["ids"], layers), None)
+        todo = [r for r, i in enumerate(idx) if i not in self._features]
+        if todo:
+            n = max(b["lens"][r] for r in todo)
+            feats, final = target_features(self.target, b["ids"][todo, :n], layers)
+            lse = torch.cat([torch.logsumexp(self.target.lm_head(x).float(), -1) for x in final.split(4)])
+            for j, r in enumerate(todo):
+                L = b["lens"][r]
+                self._features[idx[r]] = (feats[j, :L].to("cpu", torch.bfloat16),
+                                          final[j, :L].to("cpu", torch.bfloat16), lse[j, :L].float().cpu())
+        T = b["ids"].shape[1]
+        cached = [self._features[i] for i in idx]
+        out = []
+        for part, dt in zip(range(3), (torch.bfloat16, torch.bfloat16, torch.float32)):
+            x = torch.zeros(len(idx), T, *cached[0][part].shape[1:], dtype=dt)
+            for r, c in enumerate(cached):
+                x[r, :len(c[part])] = c[part]
+            out.append(x.to(self.dev, torch.float32))
+        return tuple(out)
 
     def train_step(self) -> dict:
         """One optimizer step (grad_accum micro-batches); returns the averaged loss parts."""

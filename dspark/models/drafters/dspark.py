@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.llama import MLP, RMSNorm, Rotary, apply_rotary
@@ -39,6 +40,10 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    # EAGLE-3-style reduced draft vocabulary: the drafter only proposes these many target tokens
+    # (buffer `draft_to_target`, target ids); every other token has q = 0, so verification stays
+    # exactly lossless. None: the full target vocabulary.
+    draft_vocab_size: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -70,7 +75,8 @@ class DrafterConfig:
             confidence_head=bool(cfg.get("enable_confidence_head", kind == "dspark")) and kind == "dspark",
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"))
+            rope_scaling=cfg.get("rope_scaling"),
+            draft_vocab_size=cfg.get("draft_vocab_size") if kind == "dspark" else None)
 
     def to_hf(self) -> dict:
         """config.json in the DeepSpec DSpark layout."""
@@ -129,12 +135,13 @@ class DraftLayer(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """Low-rank bigram bias: logits_k += W2(W1[x_{k-1}])."""
+    """Low-rank bigram bias: logits_k += W2(W1[x_{k-1}]). W1 reads any target token (the anchor
+    may lie outside a reduced draft vocabulary); W2 writes the draft vocabulary."""
 
-    def __init__(self, vocab: int, rank: int):
+    def __init__(self, vocab: int, rank: int, out_vocab: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_vocab or vocab, bias=False)
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_w2(self.markov_w1(prev))
@@ -165,7 +172,10 @@ class BlockDrafter(nn.Module):
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own_embed else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if own_head else None
-        self.markov_head = MarkovHead(c.vocab_size, c.markov_rank) if c.markov_rank > 0 else None
+        self.markov_head = MarkovHead(c.vocab_size, c.markov_rank, c.draft_vocab_size) if c.markov_rank > 0 else None
+        # target ids of the reduced draft vocabulary (None: the full one)
+        self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size) if c.draft_vocab_size else None)
+        self._head_cache: tuple | None = None  # (key, rows of the LM head for the draft vocabulary)
         conf_in = c.hidden_size + (c.markov_rank if c.markov_rank > 0 else 0)
         self.confidence_head = ConfidenceHead(conf_in) if c.confidence_head else None
         # the target's embedding and head, kept in a tuple so they are not registered as ours
@@ -178,8 +188,34 @@ class BlockDrafter(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens if self.embed_tokens is not None else self._shared[0])(ids)
 
+    def _head_weight(self) -> torch.Tensor:
+        w = (self.lm_head if self.lm_head is not None else self._shared[1]).weight
+        if self.draft_to_target is None:
+            return w
+        key = (w.data_ptr(), w.dtype, w.device, w.requires_grad, self.draft_to_target.data_ptr())
+        if self._head_cache is None or self._head_cache[0] != key:
+            rows = w[self.draft_to_target]
+            self._head_cache = (key, rows if w.requires_grad else rows.detach())
+        return self._head_cache[1]
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float logits over the draft vocabulary (the target's when there is no reduced one)."""
+        return F.linear(h, self._head_weight()).float()
+
+    def to_target_vocab(self, logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+        """Draft-vocabulary values -> [.., V] target-vocabulary ones, `fill` elsewhere."""
+        if self.draft_to_target is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), fill)
+        return out.index_copy(-1, self.draft_to_target, logits)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return (self.lm_head if self.lm_head is not None else self._shared[1])(h).float()
+        """Logits over the target vocabulary (-inf outside a reduced draft vocabulary)."""
+        return self.to_target_vocab(self.draft_logits(h))
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """The Markov head's bias over the target vocabulary (0 outside the draft vocabulary)."""
+        return self.to_target_vocab(self.markov_head(prev).float(), 0.0)
 
     def context(self, feats: torch.Tensor) -> torch.Tensor:
         """Fused context features from the target's concatenated layer outputs."""
@@ -207,8 +243,12 @@ class BlockDrafter(nn.Module):
         return h if self.config.kind == "dspark" else h[:, 1:]
 
     def step_logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """Logits of one draft slot given the previous token (Markov bias when present)."""
-        return base if self.markov_head is None else base + self.markov_head(prev).float()
+        """Logits of one draft slot given the previous token (Markov bias when present); base may be
+        over the draft vocabulary (training) or the target's (inference, from head())."""
+        if self.markov_head is None:
+            return base
+        bias = self.markov_head(prev).float()
+        return base + (bias if bias.shape[-1] == base.shape[-1] else self.to_target_vocab(bias, 0.0))
 
     def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """Confidence logits [..] for draft slots given their previous tokens."""

@@ -1,7 +1,9 @@
 """`dspark bench`: measure decoding methods side by side and print one JSON object.
 
 The offline benchmark (one process, no server) is the default mode: ``dspark bench --methods hf,ar``.
-The measurement itself lives in :mod:`dspark.bench.offline`.
+The measurement itself lives in :mod:`dspark.bench.offline`. Two sub-modes:
+``dspark bench serve`` drives a running server over HTTP (:mod:`dspark.bench.serve`) and
+``dspark bench plot`` overlays saved serving reports (:mod:`dspark.bench.plot`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from dspark.bench.offline import METHODS
+from dspark.bench.serve_cli import add_plot_parser, add_serve_bench_parser
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction,
@@ -21,7 +24,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction,
     p = subparsers.add_parser(
         "bench", help="measure decode speed, TTFT and acceptance of several methods side by side",
         description="Run methods side by side on a prompts file in one process and print one JSON "
-                    f"object. Methods: {', '.join(METHODS)}. Decode speed excludes prefill.")
+                    f"object. Methods: {', '.join(METHODS)}. Decode speed excludes prefill. "
+                    "`dspark bench serve --help`: benchmark a running server over HTTP instead; "
+                    "`dspark bench plot --help`: overlay saved serving reports.")
     add_engine_args(p)
     p.add_argument("--prompts", default=None,
                    help="jsonl with a 'prompt' string or 'turns' list per row "
@@ -38,6 +43,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction,
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     p.set_defaults(func=cmd_bench)
+    modes = p.add_subparsers(dest="bench_mode", metavar="{serve,plot}",
+                             help="optional sub-mode (none: the offline benchmark)")
+    add_serve_bench_parser(modes)
+    add_plot_parser(modes)
     return p
 
 

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
-import pathlib
 import sys
 import time
 from typing import Any
 
 import torch
 
+from dspark.bench.prompts import default_prompts_path, load_prompts  # noqa: F401  (re-exported)
 from dspark.config import EngineConfig, SamplingParams
 
 METHODS = ("hf", "ar", "ngram", "dspark", "dspark-tree")
@@ -49,33 +48,6 @@ class MethodRun:
     load_s: float = 0.0
     stats: list[Any] | None = None  # SpecStats per request (our engine only)
     drafter: str | None = None  # the spec runner the engine picked (our engine only)
-
-
-def default_prompts_path() -> pathlib.Path | None:
-    """``../shared/data/dev_prompts.jsonl`` next to the repository, if present."""
-    path = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "dev_prompts.jsonl"
-    return path if path.is_file() else None
-
-
-def load_prompts(path: str | pathlib.Path, num: int, category: str | None = None) -> list[str]:
-    """The first ``num`` prompts of a jsonl file (``prompt``, or the first of ``turns``)."""
-    out: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if category is not None and row.get("category") != category:
-                continue
-            text = row["prompt"] if "prompt" in row else (row.get("turns") or [None])[0]
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{line_no}: a row needs a 'prompt' string or a 'turns' list")
-            out.append(text)
-            if len(out) >= num:
-                break
-    if not out:
-        raise ValueError(f"no prompts in {path}" + (f" with category {category!r}" if category else ""))
-    return out
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], chat: bool) -> list[list[int]]:

@@ -1,0 +1,65 @@
+"""Verification-length policies: the load-aware rule by hand, and in the engine under a cost
+model where verification is expensive (fewer tokens verified than `fixed`, same greedy output)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from spec_helpers import OneThread, alphabet_prompts, assets, make_engine, run_requests
+
+from dspark.config import SamplingParams
+from dspark.engine.policy import CostModel, LoadAwarePolicy, ThresholdPolicy, make_policy
+
+FLAT = CostModel([1, 256], [1.0, 1.0])  # a pass costs the same whatever it holds: verify everything
+STEEP = CostModel([1, 2, 256], [1.0, 2.0, 256.0])  # each extra token costs a whole pass
+
+
+def test_load_aware_by_hand():
+    conf = torch.tensor([[0.9, 0.9, 0.1, 0.9], [0.5, 0.5, 0.5, 0.5]])
+    # free verification: every budgeted token
+    assert LoadAwarePolicy(FLAT).choose([4, 3], conf) == [4, 3]
+    # expensive verification: nothing beats the anchors alone (tau 2 over cost 1)
+    assert LoadAwarePolicy(STEEP).choose([4, 4], conf) == [0, 0]
+    # moderate cost: admit in descending survival while tau(B) / cost(B) improves
+    mid = CostModel([2, 3, 4, 5, 6], [1.0, 1.2, 1.4, 1.9, 2.4])
+    # survivals: r0 .9, .81, .081, ...; r1 .5, .25, ... -> .9 (tau 2.9/1.2), .81 (3.71/1.4), .5 (4.21/1.9 < 2.65): stop
+    assert LoadAwarePolicy(mid).choose([4, 4], conf) == [2, 0]
+
+
+def test_threshold_and_make_policy():
+    conf = torch.tensor([[0.9, 0.4, 0.9], [0.2, 0.9, 0.9]])
+    assert ThresholdPolicy(0.5).choose([3, 3], conf) == [1, 1]  # at least one token
+    assert make_policy("fixed", 0.5, None).choose([3, 2], conf) == [3, 2]
+    with pytest.raises(ValueError, match="cost profile"):
+        make_policy("load-aware", 0.5, None)
+    with pytest.raises(ValueError, match="unknown spec policy"):
+        make_policy("sometimes", 0.5, None)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return assets(tmp_path_factory)
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dspark_rv"])
+def test_engine_load_aware_verifies_less_same_output(folders, drafter, monkeypatch):
+    """With a cost model where each verified token costs a lot, load-aware verifies fewer draft
+    tokens than fixed, and greedy output stays token-for-token the same."""
+    steep = CostModel([1, 4, 8, 64], [1.0, 1.6, 3.0, 30.0])
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: steep)
+    prompts = alphabet_prompts([15, 20, 24, 31, 33, 40], seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
+    with OneThread():
+        outs, stats = {}, {}
+        for policy in ("fixed", "load-aware"):
+            engine = make_engine(folders["target"], folders[drafter], policy=policy)
+            outs[policy] = run_requests(engine, [(p, dataclasses.replace(sp), None) for p in prompts])
+            stats[policy] = engine.spec_stats
+        plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
+    for a, b, c in zip(outs["fixed"], outs["load-aware"], plain):
+        assert a.token_ids == b.token_ids == c.token_ids
+    assert stats["load-aware"].verified < stats["fixed"].verified, (stats["fixed"].as_dict(),
+                                                                   stats["load-aware"].as_dict())
+    assert stats["load-aware"].accepted > 0

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dspark-installed
 
-.PHONY: install serve test lint bench clean-cache
+.PHONY: install serve test lint bench loadtest clean-cache
 
 # torch==2.13.0 first: on CPU machines it is the local CPU build, so nothing pulls
 # a multi-GB CUDA build; the package's own "torch>=2.4" is then already satisfied.
@@ -29,6 +29,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/dspark bench --prompts ../shared/data/dev_prompts.jsonl --methods hf,ar
+
+# A local server (n-gram drafter, port 8011) under Locust for 60 s; CSVs in loadtest/results/.
+# Knobs: PORT, USERS, RUN_TIME, DRAFTER (see loadtest/run.sh).
+loadtest: $(STAMP)
+	$(PY) -c "import locust" 2>/dev/null || $(PY) -m pip install -q -e '.[loadtest]'
+	VENV=$(VENV) bash loadtest/run.sh
 
 clean-cache:
 	rm -rf $${DSPARK_CACHE_DIR:-$$HOME/.cache/dspark}

@@ -14,8 +14,8 @@ from server_helpers import metric, one_thread, scrape, serve, shared_engine
 from dspark.bench.client import RequestResult
 from dspark.bench.load import arrival_gaps
 from dspark.bench.plot import PlotUnavailable, load_report, plot_reports
-from dspark.bench.server_metrics import parse_counters, spec_delta
 from dspark.bench.serve_cli import parse_concurrencies, parse_rates
+from dspark.bench.server_metrics import parse_counters, spec_delta
 from dspark.bench.summary import percentile, summarize_run
 from dspark.bench.table import format_table
 from dspark.cli import main
@@ -93,8 +93,8 @@ def test_bench_serve_concurrency_1_and_2(server, prompts, tmp_path, capsys) -> N
     prompt = metric(after, "dspark:prompt_tokens_total") - metric(before, "dspark:prompt_tokens_total")
     assert generated == sum(r["total_output_tokens"] for r in report["runs"])
     assert prompt == sum(r["total_input_tokens"] for r in report["runs"])
-    drafts = metric(after, "dspark:spec_decode_num_drafts_total") - metric(before, "dspark:spec_decode_num_drafts_total")
-    assert drafts == sum(r["spec_drafts"] for r in report["runs"])
+    name = "dspark:spec_decode_num_drafts_total"
+    assert metric(after, name) - metric(before, name) == sum(r["spec_drafts"] for r in report["runs"])
     assert report["runs"][0]["tau"] > 1  # repetitive prompts: n-gram drafts get accepted
     for title in ("Successful requests", "Mean TTFT (ms)", "P99 ITL (ms)", "Tau", "c=1", "c=2"):
         assert title in err

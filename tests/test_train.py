@@ -15,11 +15,10 @@ import torch
 from safetensors.numpy import save_file
 
 from dspark.models.drafters.checkpoint import load_drafter
-from dspark.train.data import TokenDataset, generate_dataset, read_prompts, GenSettings
+from dspark.train.data import GenSettings, TokenDataset, generate_dataset, read_prompts
 from dspark.train.features import block_mask, drafter_blocks, sample_anchors, target_features, valid_slots
 from dspark.train.loss import batch_loss, decay_weights, dspark_loss, target_c_star
-from dspark.train.trainer import (TrainConfig, Trainer, default_layer_ids, load_target, make_drafter_config,
-                                  new_drafter)
+from dspark.train.trainer import TrainConfig, Trainer, default_layer_ids, load_target, make_drafter_config, new_drafter
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,7 +70,7 @@ def _write_shard(path, seqs, prompt_lens):
 def _toy_data(tmp_path, n=12):
     rng = np.random.default_rng(0)
     seqs, pls = [], []
-    for i in range(n):
+    for _i in range(n):
         p = int(rng.integers(4, 8))
         start = int(rng.integers(100, 200))
         resp = [(start + 3 * j) % 300 + 100 for j in range(int(rng.integers(20, 30)))]  # learnable pattern

@@ -106,7 +106,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                     usage_seen = True
                     res.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
                     res.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+    except (httpx.HTTPError, httpx.StreamError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.latency = time.perf_counter() - start

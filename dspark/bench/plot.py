@@ -61,9 +61,12 @@ def plot_reports(reports: list[dict[str, Any]], output: str | pathlib.Path, titl
         ax_tp.plot(xs, [r.get("output_throughput") for r in runs], marker="o", label=label)
         ax_ttft.plot(xs, [r.get("mean_ttft_ms") for r in runs], marker="o", label=label)
     for ax, ylabel in ((ax_tp, "output throughput (tok/s)"), (ax_ttft, "mean TTFT (ms)")):
-        xs_all = [x for line in ax.get_lines() for x in line.get_xdata()]
-        if xs_all and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
+        xs_all = sorted({float(x) for line in ax.get_lines() for x in line.get_xdata()})
+        if xs_all and xs_all[0] > 0 and xs_all[-1] / xs_all[0] >= 4:
             ax.set_xscale("log", base=2)
+        if 0 < len(xs_all) <= 12:  # a tick at each measured load, written plainly
+            ax.set_xticks(xs_all, [f"{x:g}" for x in xs_all])
+            ax.minorticks_off()
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)

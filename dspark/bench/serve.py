@@ -61,7 +61,10 @@ async def _server_info(client: httpx.AsyncClient, cfg: ServeBenchConfig) -> dict
     if resp.status_code != 200:
         raise ValueError(f"GET {url} answered {resp.status_code}: {resp.text[:300]}")
     models = resp.json().get("data") or []
-    chosen = next((m for m in models if m.get("id") == cfg.model), models[0] if models else {})
+    if cfg.model is None:
+        chosen = models[0] if models else {}
+    else:  # a name the server does not list still gets sent (its requests then fail and are counted)
+        chosen = next((m for m in models if m.get("id") == cfg.model), {})
     return {"model": cfg.model or chosen.get("id"), "speculation": chosen.get("speculation"),
             "max_model_len": chosen.get("max_model_len")}
 

@@ -44,7 +44,8 @@ def add_train_parsers(sub) -> None:
     m.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
     m.add_argument("--target-layers", default=None, help="comma list (default: 5 spread from 1 to L-3)")
     m.add_argument("--draft-vocab", type=int, default=None,
-                   help="reduced draft vocabulary: the N most frequent response tokens (default: the full one)")
+                   help="reduced draft vocabulary: the N most frequent tokens of the responses and all "
+                        "--prompts (default: the full vocabulary)")
     m.add_argument("--mask-token-id", type=int, default=None, help="default: <empty_output> (16) for SmolLM2")
     o = t.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=2000)
@@ -132,7 +133,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                              markov_rank=args.markov_rank, layer_ids=layer_ids, intermediate_size=args.intermediate_size,
                              mask_token_id=args.mask_token_id if args.mask_token_id is not None
                              else default_mask_token(tok), draft_vocab_size=args.draft_vocab)
-    vocab = frequent_tokens(data, args.draft_vocab, target.config.vocab_size) if args.draft_vocab else None
+    vocab = None
+    if args.draft_vocab:
+        from dspark.train.data import read_prompts
+
+        texts = [p["messages"][0]["content"] for p in read_prompts(args.prompts)]
+        extra = tok(texts, add_special_tokens=False)["input_ids"]
+        vocab = frequent_tokens(data, args.draft_vocab, target.config.vocab_size, extra)
     drafter = new_drafter(dc, target, args.seed, vocab)
     size = checkpoint_bytes(drafter, DTYPES[args.export_dtype])
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, "

@@ -89,13 +89,18 @@ def make_drafter_config(tc, *, num_layers: int = 2, block_size: int = 8, markov_
         draft_vocab_size=draft_vocab_size)
 
 
-def frequent_tokens(data: TokenDataset, n: int, vocab: int) -> torch.Tensor:
-    """The n most frequent response tokens of the data, ascending ids (the draft vocabulary)."""
+def frequent_tokens(data: TokenDataset, n: int, vocab: int, extra: list[list[int]] = (),
+                    response_weight: int = 4) -> torch.Tensor:
+    """The draft vocabulary: the n most frequent tokens, ascending ids. Response tokens (what the
+    drafter proposes) count `response_weight` times; `extra` (e.g. every training prompt, tokenized
+    without a template: far more text than the generated responses) once each."""
     if not 0 < n <= vocab:
         raise ValueError(f"draft vocabulary size must be in [1, {vocab}], got {n}")
     counts = np.zeros(vocab, dtype=np.int64)
     for seq, p in zip(data.seqs, data.prompt_lens):
-        counts += np.bincount(seq[p:], minlength=vocab)
+        counts += response_weight * np.bincount(seq[p:], minlength=vocab)
+    for ids in extra:
+        counts += np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab)[:vocab]
     top = np.argsort(-counts, kind="stable")[:n]
     return torch.from_numpy(np.sort(top).astype(np.int64))
 

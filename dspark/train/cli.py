@@ -130,7 +130,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     data = TokenDataset(data_dir, max_len=args.max_len)
     layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
     dc = make_drafter_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
-                             markov_rank=args.markov_rank, layer_ids=layer_ids, intermediate_size=args.intermediate_size,
+                             markov_rank=args.markov_rank, layer_ids=layer_ids,
+                             intermediate_size=args.intermediate_size,
                              mask_token_id=args.mask_token_id if args.mask_token_id is not None
                              else default_mask_token(tok), draft_vocab_size=args.draft_vocab)
     vocab = None

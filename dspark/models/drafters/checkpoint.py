@@ -63,10 +63,10 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype, device: str | tor
     if missing or unexpected:
         raise ValueError(f"drafter checkpoint {path} does not match its config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
-    d2t = model.draft_to_target
-    if d2t is not None and (d2t.min() < 0 or d2t.max() >= target.config.vocab_size or d2t.unique().numel() != d2t.numel()):
+    d2t, V = model.draft_to_target, target.config.vocab_size
+    if d2t is not None and (d2t.min() < 0 or d2t.max() >= V or d2t.unique().numel() != d2t.numel()):
         raise ValueError(f"drafter checkpoint {path}: draft_to_target must hold {dc.draft_vocab_size} distinct "
-                         f"token ids below {target.config.vocab_size}")
+                         f"token ids below {V}")
     model.attach(target)
     return model.to(device, dtype).eval()
 

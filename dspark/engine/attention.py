@@ -37,49 +37,71 @@ class AttnBatch:
         return out
 
 
+@dataclass
+class _Group:
+    """Sequences padded together: gather indices into the cache, query rows, mask, output rows."""
+
+    gather: torch.Tensor  # [S, Lmax] cache slots
+    q_index: torch.Tensor  # [S, Qmax] rows of q (padding -> the zero row)
+    mask: torch.Tensor  # [S, 1, Qmax, Lmax]
+    out_rows: torch.Tensor  # rows of the flattened [S * Qmax] output that are real queries
+    dest: torch.Tensor  # where those rows go in the [N] output
+
+
 class TorchAttention:
-    """Reference backend: gather paged K/V into a padded batch, one SDPA per layer."""
+    """Reference backend: gather paged K/V into padded batches, one masked SDPA per group.
+
+    Sequences are grouped by query length (single tokens, short chains and trees, long prefill
+    chunks) so a prefill chunk does not pad every decoding request's query to its length."""
 
     name = "torch"
+    BUCKETS = (1, 16)  # query-length group bounds: q == 1, q <= 16, longer
 
     def __init__(self, device: str | torch.device):
         self.device = torch.device(device)
 
     def plan(self, batch: AttnBatch) -> None:
-        dev = self.device
-        S = len(batch.q_lens)
-        qmax, lmax = max(batch.q_lens), max(batch.kv_lens)
-        ps = batch.page_size
         self.num_tokens = sum(batch.q_lens)
-        self.slot_mapping = torch.tensor(batch.slot_mapping(), dtype=torch.long, device=dev)
+        self.slot_mapping = torch.tensor(batch.slot_mapping(), dtype=torch.long, device=self.device)
+        starts, at = [], 0
+        for q in batch.q_lens:
+            starts.append(at)
+            at += q
+        groups: dict[int, list[int]] = {}
+        for i, q in enumerate(batch.q_lens):
+            groups.setdefault(next((j for j, b in enumerate(self.BUCKETS) if q <= b), len(self.BUCKETS)), []).append(i)
+        self.groups = [self._plan_group(batch, idx, starts) for _, idx in sorted(groups.items())]
+
+    def _plan_group(self, batch: AttnBatch, idx: list[int], starts: list[int]) -> _Group:
+        S = len(idx)
+        qmax, lmax = max(batch.q_lens[i] for i in idx), max(batch.kv_lens[i] for i in idx)
+        ps = batch.page_size
         pos = torch.arange(lmax)
         gather = torch.zeros(S, lmax, dtype=torch.long)
         q_index = torch.full((S, qmax), self.num_tokens, dtype=torch.long)  # pad -> zero row
-        out_rows = []
+        out_rows, dest = [], []
         mask = torch.zeros(S, qmax, lmax, dtype=torch.bool)
-        start = 0
-        for i, (q, kv, pages) in enumerate(zip(batch.q_lens, batch.kv_lens, batch.page_tables)):
+        for g, i in enumerate(idx):
+            q, kv, pages = batch.q_lens[i], batch.kv_lens[i], batch.page_tables[i]
             page_ids = torch.tensor(pages, dtype=torch.long)
-            n = min(kv, lmax)
-            gather[i, :n] = page_ids[pos[:n] // ps] * ps + pos[:n] % ps
-            q_index[i, :q] = torch.arange(start, start + q)
-            out_rows.append(torch.arange(q) + i * qmax)
+            gather[g, :kv] = page_ids[pos[:kv] // ps] * ps + pos[:kv] % ps
+            q_index[g, :q] = torch.arange(starts[i], starts[i] + q)
+            out_rows.append(torch.arange(q) + g * qmax)
+            dest.append(torch.arange(starts[i], starts[i] + q))
             ctx = kv - q
             if batch.mask == "causal":
                 qpos = ctx + torch.arange(q)
-                mask[i, :q, :kv] = pos[None, :kv] <= qpos[:, None]
+                mask[g, :q, :kv] = pos[None, :kv] <= qpos[:, None]
             elif batch.mask == "full":
-                mask[i, :q, :kv] = True
+                mask[g, :q, :kv] = True
             else:
-                mask[i, :q, :ctx] = True
-                mask[i, :q, ctx:kv] = batch.custom_masks[i].to(torch.bool)
+                mask[g, :q, :ctx] = True
+                mask[g, :q, ctx:kv] = batch.custom_masks[i].to(torch.bool)
             if q < qmax:  # padded query rows see one key so softmax stays finite
-                mask[i, q:, 0] = True
-            start += q
-        self.gather = gather.to(dev)
-        self.q_index = q_index.to(dev)
-        self.out_rows = torch.cat(out_rows).to(dev)
-        self.mask = mask[:, None].to(dev)
+                mask[g, q:, 0] = True
+        dev = self.device
+        return _Group(gather.to(dev), q_index.to(dev), mask[:, None].to(dev), torch.cat(out_rows).to(dev),
+                      torch.cat(dest).to(dev))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -87,13 +109,20 @@ class TorchAttention:
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
         N, H, D = q.shape
-        qp = torch.cat([q, q.new_zeros(1, H, D)])[self.q_index]  # [S, Qmax, H, D]
-        kp = k_cache[self.gather]  # [S, Lmax, Hkv, D]
-        vp = v_cache[self.gather]
-        o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-            attn_mask=self.mask, scale=scale, enable_gqa=H != k.shape[1])
-        return o.transpose(1, 2).reshape(-1, H, D)[self.out_rows]
+        qz = torch.cat([q, q.new_zeros(1, H, D)])
+        out = q.new_empty(N, H, D) if len(self.groups) > 1 else None
+        for g in self.groups:
+            qp = qz[g.q_index]  # [S, Qmax, H, D]
+            kp = k_cache[g.gather]  # [S, Lmax, Hkv, D]
+            vp = v_cache[g.gather]
+            o = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                attn_mask=g.mask, scale=scale, enable_gqa=H != k.shape[1])
+            o = o.transpose(1, 2).reshape(-1, H, D)[g.out_rows]
+            if out is None:
+                return o
+            out[g.dest] = o
+        return out
 
 
 def make_backend(name: str, device: str | torch.device):

@@ -184,13 +184,14 @@ class Trainer:
 
     def micro_loss(self, micro: int) -> tuple[torch.Tensor, dict]:
         c = self.cfg
-        b = self.data.batch(self.batch_indices(micro), self.pad_id, self.dev)
+        idx = self.batch_indices(micro)
+        b = self.data.batch(idx, self.pad_id, self.dev)
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + micro)
         anchors, ok = sample_anchors(b["lens"], b["prompt_lens"], c.anchors_per_seq,
                                      self.drafter.config.block_size, gen)
         anchors, ok = anchors.to(self.dev), ok.to(self.dev)
         with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.amp):
-            feats, final, lse = self.features(self.batch_indices(micro), b)
+            feats, final, lse = self.features(idx, b)
             return batch_loss(self.drafter, self.target.lm_head, feats, final, b["ids"], b["lengths"],
                               b["resp"], anchors, ok, gamma=c.gamma, final_lse=lse)
 

@@ -11,8 +11,10 @@ while the target follows f, rejected where the context wins, so steps end in par
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -215,13 +217,13 @@ def run_requests(engine, requests, spec: bool = True) -> list:
     return [done[r] for r in rids]
 
 
-class OneThread:
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
     """Run tiny models on one thread: their ops are too small to gain from two, and under CPU
-    contention two spinning OpenMP threads make them many times slower."""
-
-    def __enter__(self):
-        self.n = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.n)
+    contention two spinning OpenMP threads make them many times slower. Same numbers."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

@@ -9,7 +9,7 @@ import pathlib
 import sys
 
 import pytest
-from server_helpers import metric, one_thread, scrape, serve, shared_engine
+from server_helpers import metric, scrape, serve, shared_engine_or_skip
 
 from dspark.bench.client import RequestResult
 from dspark.bench.load import arrival_gaps
@@ -27,21 +27,12 @@ MAX_TOKENS = 12
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
 def server():
-    from dspark.models.loader import ModelLoadError
-
-    try:
-        engine = shared_engine("ngram")
-    except ModelLoadError as e:
-        pytest.skip(f"default model unavailable: {e}")
-    with serve(engine) as s:
+    with serve(shared_engine_or_skip("ngram")) as s:
         yield s
 
 

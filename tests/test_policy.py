@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from spec_helpers import OneThread, alphabet_prompts, assets, make_engine, run_requests
+from spec_helpers import alphabet_prompts, make_engine, run_requests
 
 from dspark.config import SamplingParams
 from dspark.engine.policy import CostModel, LoadAwarePolicy, ThresholdPolicy, make_policy
@@ -38,26 +38,20 @@ def test_threshold_and_make_policy():
         make_policy("sometimes", 0.5, None)
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return assets(tmp_path_factory)
-
-
 @pytest.mark.parametrize("drafter", ["dspark", "dspark_rv"])
-def test_engine_load_aware_verifies_less_same_output(folders, drafter, monkeypatch):
+def test_engine_load_aware_verifies_less_same_output(folders, single_thread, drafter, monkeypatch):
     """With a cost model where each verified token costs a lot, load-aware verifies fewer draft
     tokens than fixed, and greedy output stays token-for-token the same."""
     steep = CostModel([1, 4, 8, 64], [1.0, 1.6, 3.0, 30.0])
     monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: steep)
     prompts = alphabet_prompts([15, 20, 24, 31, 33, 40], seed=5)
     sp = SamplingParams(temperature=0.0, max_tokens=32)
-    with OneThread():
-        outs, stats = {}, {}
-        for policy in ("fixed", "load-aware"):
-            engine = make_engine(folders["target"], folders[drafter], policy=policy)
-            outs[policy] = run_requests(engine, [(p, dataclasses.replace(sp), None) for p in prompts])
-            stats[policy] = engine.spec_stats
-        plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
+    outs, stats = {}, {}
+    for policy in ("fixed", "load-aware"):
+        engine = make_engine(folders["target"], folders[drafter], policy=policy)
+        outs[policy] = run_requests(engine, [(p, dataclasses.replace(sp), None) for p in prompts])
+        stats[policy] = engine.spec_stats
+    plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
     for a, b, c in zip(outs["fixed"], outs["load-aware"], plain):
         assert a.token_ids == b.token_ids == c.token_ids
     assert stats["load-aware"].verified < stats["fixed"].verified, (stats["fixed"].as_dict(),

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from server_helpers import MAX_TOKENS, metric, one_thread, scrape, serve, shared_engine, stream_raw, wait_for
+from server_helpers import MAX_TOKENS, metric, scrape, serve, shared_engine_or_skip, stream_raw, wait_for
 
 pytest.importorskip("openai")
 
@@ -20,20 +20,12 @@ REPEAT = "Count: one two three four five, one two three four five, one two three
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
 def engines():
-    from dspark.models.loader import ModelLoadError
-
-    try:
-        return {"none": shared_engine("none"), "ngram": shared_engine("ngram")}
-    except ModelLoadError as e:
-        pytest.skip(f"default model unavailable: {e}")
+    return {"none": shared_engine_or_skip("none"), "ngram": shared_engine_or_skip("ngram")}
 
 
 @pytest.fixture(params=["none", "ngram"])

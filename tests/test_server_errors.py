@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import error_of, metric, one_thread, scrape, serve, shared_engine, stream_raw, wait_for
+from server_helpers import error_of, metric, scrape, serve, shared_engine_or_skip, stream_raw, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -24,20 +24,12 @@ MSGS = [{"role": "user", "content": "Hi"}]
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from dspark.models.loader import ModelLoadError
-
-    try:
-        return shared_engine("none")  # max_num_seqs 2
-    except ModelLoadError as e:
-        pytest.skip(f"default model unavailable: {e}")
+    return shared_engine_or_skip("none")  # max_num_seqs 2
 
 
 @pytest.fixture(scope="module")

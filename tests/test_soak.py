@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import error_of, metric, one_thread, scrape, serve, shared_engine, wait_for
+from server_helpers import error_of, metric, scrape, serve, shared_engine_or_skip, wait_for
+from spec_helpers import one_thread
 
 pytestmark = pytest.mark.slow
 
@@ -197,12 +198,7 @@ async def run_jobs(url: str, jobs: list[Job]) -> None:
 
 @pytest.fixture(scope="module")
 def engine():
-    from dspark.models.loader import ModelLoadError
-
-    try:
-        return shared_engine("ngram")
-    except ModelLoadError as e:
-        pytest.skip(f"default model unavailable: {e}")
+    return shared_engine_or_skip("ngram")
 
 
 def test_soak_mixed_requests(engine) -> None:

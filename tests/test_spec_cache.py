@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 import torch
-from spec_helpers import LAYER_IDS, OneThread, alphabet_prompts, assets, make_engine
+from spec_helpers import LAYER_IDS, alphabet_prompts, make_engine
 
 from dspark.config import SamplingParams
 from dspark.engine.kv_cache import KVCache
@@ -25,15 +25,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 _fresh_ids = itertools.count(10_000)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with OneThread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return assets(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

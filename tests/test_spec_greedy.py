@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from spec_helpers import OneThread, alphabet_prompts, assets, make_engine, run_requests
+from spec_helpers import alphabet_prompts, make_engine, run_requests
 
 from dspark.config import SamplingParams, SpecConfig
 
@@ -30,15 +30,7 @@ LENGTHS = [15, 16, 17, 24, 31, 32, 33, 40]  # around the 16-token page boundarie
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with OneThread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return assets(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from spec_helpers import OneThread, assets, make_engine, run_requests
+from spec_helpers import assets, make_engine, run_requests
 
 from dspark.config import SamplingParams
 from dspark.engine.sampling import accept_chain, sample, warp_logits
@@ -35,10 +35,7 @@ R = 200_000
 PASS, FAIL = 1e-3, 1e-6  # p-value thresholds; every test is seeded, so nothing here is flaky
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with OneThread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:

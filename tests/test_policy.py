@@ -1,5 +1,6 @@
 """Verification-length policies: the load-aware rule by hand, and in the engine under a cost
-model where verification is expensive (fewer tokens verified than `fixed`, same greedy output)."""
+model where verification is costly (fewer tokens verified than `fixed`, same greedy output) or
+so costly that drafting cannot pay (the drafter pauses, output still the same)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ def test_load_aware_by_hand():
     mid = CostModel([2, 3, 4, 5, 6], [1.0, 1.2, 1.4, 1.9, 2.4])
     # survivals: r0 .9, .81, .081, ...; r1 .5, .25, ... -> .9 (tau 2.9/1.2), .81 (3.71/1.4), .5 (4.21/1.9 < 2.65): stop
     assert LoadAwarePolicy(mid).choose([4, 4], conf) == [2, 0]
+    policy = LoadAwarePolicy(mid)
+    policy.choose([4, 4], conf)
+    assert policy.last_gain == pytest.approx((3.71 / 1.4) / (2 / 1.0))
+    # the drafter's own pass time is part of every step: paying 5 s for it makes longer
+    # verification worth more (.5 now gets in: 4.21/6.9 > 3.71/6.4, then .25 does not:
+    # 4.46/7.4), yet all of it loses to plain decoding (2/1.0)
+    assert policy.choose([4, 4], conf, draft_seconds=5.0) == [2, 1]
+    assert policy.last_gain == pytest.approx((4.21 / 6.9) / 2.0)
+    assert policy.last_gain < 1
 
 
 def test_threshold_and_make_policy():
@@ -40,10 +50,10 @@ def test_threshold_and_make_policy():
 
 @pytest.mark.parametrize("drafter", ["dspark", "dspark_rv"])
 def test_engine_load_aware_verifies_less_same_output(folders, single_thread, drafter, monkeypatch):
-    """With a cost model where each verified token costs a lot, load-aware verifies fewer draft
-    tokens than fixed, and greedy output stays token-for-token the same."""
-    steep = CostModel([1, 4, 8, 64], [1.0, 1.6, 3.0, 30.0])
-    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: steep)
+    """With a cost model where each verified token costs something, load-aware verifies fewer
+    draft tokens than fixed, and greedy output stays token-for-token the same."""
+    sloped = CostModel([1, 64], [1.0, 4.15])  # +5% of a pass per token
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: sloped)
     prompts = alphabet_prompts([15, 20, 24, 31, 33, 40], seed=5)
     sp = SamplingParams(temperature=0.0, max_tokens=32)
     outs, stats = {}, {}
@@ -57,3 +67,18 @@ def test_engine_load_aware_verifies_less_same_output(folders, single_thread, dra
     assert stats["load-aware"].verified < stats["fixed"].verified, (stats["fixed"].as_dict(),
                                                                    stats["load-aware"].as_dict())
     assert stats["load-aware"].accepted > 0
+
+
+def test_engine_pauses_drafter_when_it_cannot_pay(folders, single_thread, monkeypatch):
+    """When every verified token costs a whole pass, no choice beats plain decoding once the
+    drafter's pass is paid: the runner stops drafting for most steps and output is unchanged."""
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: STEEP)
+    prompts = alphabet_prompts([15, 20, 31], seed=6)
+    sp = SamplingParams(temperature=0.0, max_tokens=48)
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware")
+    outs = run_requests(engine, [(p, dataclasses.replace(sp), None) for p in prompts])
+    plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    steps = engine.spec_stats.steps
+    assert engine.spec.num_draft_passes < steps / 3, (engine.spec.num_draft_passes, steps)
+    assert engine.spec.gain < 1

@@ -23,7 +23,7 @@ class NgramSpecRunner(SpecRunner):
         self.block_size = cfg.block_size or 8
         self.drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min, self.block_size)
 
-    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, list[int]]:
         out = {}
         for seq in seqs:
             drafts = self.drafter.propose(seq.all_ids, self.draft_budget(seq))

@@ -123,7 +123,7 @@ class Engine:
         decode, prefill = self._schedule()
         if not decode and not prefill:
             return self._drain_finished([])
-        proposals = self.spec.propose(decode) if decode else {}
+        proposals = self.spec.propose(decode, sum(n for _, n in prefill)) if decode else {}
         works = []
         for seq in decode:
             prop = proposals.get(seq.seq_id)

@@ -4,6 +4,8 @@ the drafter's incremental context cache."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from dspark.config import SpecConfig
@@ -43,6 +45,9 @@ class NeuralSpecRunner(SpecRunner):
         self.policy = make_policy(cfg.policy, cfg.threshold, cost)
         self._q: dict[int, torch.Tensor] = {}
         self.last_conf: dict[int, list[float]] = {}
+        self.draft_seconds: dict[int, float] = {}  # EMA of a drafter pass's wall time, by batch size
+        self.num_draft_passes = 0
+        self._skip_steps, self._backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
 
     def max_tokens_for(self, seq: Sequence) -> int:
         budget = self.draft_budget(seq)
@@ -51,12 +56,44 @@ class NeuralSpecRunner(SpecRunner):
         nodes = self.cfg.tree_budget if self.cfg.tree else budget
         return max(1 + nodes, self.drafter.config.block_size)
 
+    # While the load-aware policy finds (on a running average) that even its best choice loses to
+    # plain decoding once the drafter's own pass is paid for, drafting pauses for a number of
+    # steps that doubles on each failed retry (up to MAX_BACKOFF), then the drafter is tried again.
+    MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA = 4, 64, 0.25
+
+    def estimated_draft_seconds(self, R: int) -> float:
+        """Measured drafter pass time at batch R, from the nearest batch size seen (0 before any)."""
+        if not self.draft_seconds:
+            return 0.0
+        near = min(self.draft_seconds, key=lambda n: abs(n - R))
+        return self.draft_seconds[near] * max(1.0, R / near)
+
+    def _record_pass(self, R: int, seconds: float) -> None:
+        self.num_draft_passes += 1
+        old = self.draft_seconds.get(R)
+        self.draft_seconds[R] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        gain = getattr(self.policy, "last_gain", None)
+        if gain is None:
+            return
+        self.gain += self.GAIN_EMA * (gain - self.gain)
+        if self.gain < 1.0:
+            self._skip_steps = self._backoff
+            self._backoff = min(2 * self._backoff, self.MAX_BACKOFF)
+        else:
+            self._backoff = self.MIN_BACKOFF
+
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, list[int]]:
         self._q.clear()
         active = [s for s in seqs if self.draft_budget(s) > 0]
         if not active:
             return {}
+        if self._skip_steps > 0:
+            self._skip_steps -= 1
+            for s in active:
+                self._proposed[s.seq_id] = 0
+            return {}
+        t0 = time.perf_counter()
         dc, dev = self.drafter.config, self.engine.device
         B, nd, R = dc.block_size, dc.num_drafts, len(active)
         items = [(s, [s.output_ids[-1]] + [dc.mask_token_id] * (B - 1)) for s in active]
@@ -92,8 +129,9 @@ class NeuralSpecRunner(SpecRunner):
         conf = self.drafter.confidence(h, torch.stack(prevs, 1))
         conf = torch.sigmoid(conf) if conf is not None else self._acceptance_prior(R, nd)
         budgets = [self.draft_budget(s) for s in active]
-        lengths = self.policy.choose(budgets, conf)
+        lengths = self.policy.choose(budgets, conf, other_tokens, self.estimated_draft_seconds(R))
         drafts = tokens_t.tolist()
+        self._record_pass(R, time.perf_counter() - t0)
         out = {}
         for r, s in enumerate(active):
             self._proposed[s.seq_id] = nd

@@ -6,8 +6,11 @@ load-aware  DSpark's confidence-scheduled verification (paper Algorithm 1): admi
             (request, position) candidates in descending survival a_rj = prod_{i<=j} c_ri
             while the expected throughput tau(B) * SPS(B) improves, stopping at the first
             non-improvement. SPS(B), target steps per second with B tokens in the pass, is
-            profiled once per machine. Lengths depend only on draft-time information, so
-            the output distribution stays the target's.
+            profiled once per machine; the drafter pass's own measured time is added to
+            every candidate's step time, so a slow drafter buys fewer tokens. Lengths depend
+            only on draft-time information, so the output distribution stays the target's.
+            `last_gain` says how the best choice compares with not drafting at all, which
+            the spec runner uses to stop drafting while speculation cannot pay.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ class Policy:
 
     name = "fixed"
 
-    def choose(self, budgets: list[int], conf: torch.Tensor | None, other_tokens: int = 0) -> list[int]:
+    def choose(self, budgets: list[int], conf: torch.Tensor | None, other_tokens: int = 0,
+               draft_seconds: float = 0.0) -> list[int]:
+        """Draft tokens to verify per request; other_tokens (prefill) ride in the same pass."""
         return list(budgets)
 
 
@@ -53,7 +58,7 @@ class ThresholdPolicy(Policy):
     def __init__(self, threshold: float):
         self.threshold = threshold
 
-    def choose(self, budgets, conf, other_tokens=0):
+    def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0):
         if conf is None:
             return list(budgets)
         out = []
@@ -70,9 +75,11 @@ class LoadAwarePolicy(Policy):
 
     def __init__(self, cost: CostModel):
         self.cost = cost
+        self.last_gain: float | None = None  # best throughput over plain decoding's, last call
 
-    def choose(self, budgets, conf, other_tokens=0):
+    def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0):
         R = len(budgets)
+        self.last_gain = None
         if conf is None or R == 0:
             return list(budgets)
         survival = conf.float().cumprod(-1).tolist()
@@ -81,14 +88,16 @@ class LoadAwarePolicy(Policy):
         lengths = [0] * R
         tokens = R + other_tokens  # every request verifies its anchor; prefill rides along
         tau = float(R)
-        best = tau / self.cost(tokens)
+        plain = tau / self.cost(tokens)  # no drafter pass at all
+        best = tau / (self.cost(tokens) + draft_seconds)
         for a, r, j in cands:
             if j != lengths[r]:  # a prefix must be admitted in order
                 continue
-            theta = (tau + a) / self.cost(tokens + 1)
+            theta = (tau + a) / (self.cost(tokens + 1) + draft_seconds)
             if theta <= best:
                 break
             lengths[r], tau, tokens, best = j + 1, tau + a, tokens + 1, theta
+        self.last_gain = best / plain
         return lengths
 
 

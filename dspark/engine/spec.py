@@ -40,7 +40,8 @@ class SpecRunner:
         """Cache slots beyond num_cached a step may write for seq."""
         return 1 + self.draft_budget(seq)
 
-    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, list[int]]:
+        """Draft tokens (or a DraftTree) per seq_id; other_tokens: prefill tokens in the same pass."""
         return {}
 
     def num_proposed(self, seq: Sequence) -> int:

@@ -29,9 +29,9 @@ class _StepRecorder:
         orig_propose, orig_choose = runner.propose, runner.policy.choose
         state = {"active": []}
 
-        def propose(seqs):
+        def propose(seqs, other_tokens=0):
             state["active"] = [s for s in seqs if runner.draft_budget(s) > 0]
-            return orig_propose(seqs)
+            return orig_propose(seqs, other_tokens)
 
         def choose(budgets, conf, *a, **kw):
             if conf is not None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from dspark.models.llama import exact_dtype
+
 
 @dataclass
 class AttnBatch:
@@ -46,6 +48,7 @@ class _Group:
     mask: torch.Tensor  # [S, 1, Qmax, Lmax]
     out_rows: torch.Tensor  # rows of the flattened [S * Qmax] output that are real queries
     dest: torch.Tensor  # where those rows go in the [N] output
+    short: bool  # decode steps and verification chains/trees, not prefill chunks
 
 
 class TorchAttention:
@@ -60,7 +63,9 @@ class TorchAttention:
     def __init__(self, device: str | torch.device):
         self.device = torch.device(device)
         # CPU SDPA with a boolean mask runs several times slower in bf16/fp16 than in fp32
-        # (measured 4x at q=1), so reduced-precision caches are attended in fp32 there.
+        # (measured 4x at q=1), so reduced-precision caches are attended in fp32 there, and
+        # decode/verification groups in float64 (see exact_dtype: plain and speculative
+        # decoding must reach the same bits).
         self.upcast = self.device.type == "cpu"
 
     def plan(self, batch: AttnBatch) -> None:
@@ -104,7 +109,7 @@ class TorchAttention:
                 mask[g, q:, 0] = True
         dev = self.device
         return _Group(gather.to(dev), q_index.to(dev), mask[:, None].to(dev), torch.cat(out_rows).to(dev),
-                      torch.cat(dest).to(dev))
+                      torch.cat(dest).to(dev), qmax <= self.BUCKETS[-1])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -118,8 +123,9 @@ class TorchAttention:
             qp = qz[g.q_index]  # [S, Qmax, H, D]
             kp = k_cache[g.gather]  # [S, Lmax, Hkv, D]
             vp = v_cache[g.gather]
-            if self.upcast:
-                qp, kp, vp = qp.float(), kp.float(), vp.float()
+            if self.upcast and qp.dtype != torch.float32:
+                dt = exact_dtype(qp) if g.short else torch.float32
+                qp, kp, vp = qp.to(dt), kp.to(dt), vp.to(dt)
             o = F.scaled_dot_product_attention(
                 qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                 attn_mask=g.mask, scale=scale, enable_gqa=H != k.shape[1]).to(q.dtype)

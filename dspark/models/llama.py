@@ -111,8 +111,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def exact_dtype(x: torch.Tensor) -> torch.dtype:
+    """Precision for a reduction whose result is rounded back to x's dtype.
+
+    On CPU in bf16/fp16 this is float64. A token decoded alone and the same token verified in a
+    chain reach the same values through kernels that sum in different orders; in float32 those
+    last-bit differences cross a bf16 rounding boundary often enough to flip greedy choices (so
+    speculative output would stop matching plain decoding), in float64 practically never. GPUs
+    keep float32, as HF does."""
+    return torch.float64 if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" \
+        else torch.float32
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose one-row calls run as two rows on CPU in bf16/fp16: oneDNN's one-row
+    kernel sums in another order than its many-row one (measured: 16 of 198 rows differ for
+    a 1536-wide input), so a decoded token would get other bits than the same token verified."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+            return super().forward(x.expand(2, *x.shape[1:]).contiguous())[:1]
+        return super().forward(x)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as HF does."""
+    """Root-mean-square norm computed in float32, as HF does (float64 where exact_dtype says)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -121,7 +144,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
-        x = x.float()
+        x = x.to(exact_dtype(x))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dt)
 
@@ -132,8 +155,8 @@ class Attention(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+        self.qkv_proj = Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
+        self.o_proj = Linear(self.nh * self.hd, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
         self.scale = self.hd ** -0.5
@@ -154,8 +177,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -186,7 +209,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)

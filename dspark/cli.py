@@ -15,7 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=16, help="draft tree nodes per request")
     p.add_argument("--spec-policy", default=None, choices=["fixed", "threshold", "load-aware"])
     p.add_argument("--threshold", type=float, default=0.5, help="confidence cut for --spec-policy threshold")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32), fp32, bf16, fp16")
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--kv-cache-tokens", type=int, default=65536)

@@ -101,10 +101,13 @@ class NeuralSpecRunner(SpecRunner):
         self.attn.plan(batch)
         h = self.drafter.block_hidden(ids, pos, self.attn, self.kv).view(R, B, -1)
         h = self.drafter.draft_hidden(h)
-        base = self.drafter.head(h)  # [R, nd, V]
         if self.cfg.tree:
-            return self._propose_trees(active, base)
+            return self._propose_trees(active, self.drafter.head(h))
         greedy = all(s.params.greedy for s in active)
+        # Greedy drafts are one-hot, so they walk the (reduced) draft vocabulary and map the picks
+        # back, skipping a [R, V] scatter per slot; sampled drafts need q over the target's.
+        base = self.drafter.draft_logits(h) if greedy else self.drafter.head(h)  # [R, nd, V or Vd]
+        to_target = self.drafter.draft_to_target if greedy else None
         temp = torch.tensor([s.params.temperature for s in active], device=dev)
         top_k = torch.tensor([s.params.top_k for s in active], device=dev)
         top_p = torch.tensor([s.params.top_p for s in active], device=dev)
@@ -120,6 +123,8 @@ class NeuralSpecRunner(SpecRunner):
             logits = self.drafter.step_logits(base[:, k], prev)
             if greedy:
                 prev = logits.argmax(-1)
+                if to_target is not None:
+                    prev = to_target[prev]
             else:
                 q = warp_logits(logits, temp, top_k, top_p)
                 prev = sample(q, u[:, k])

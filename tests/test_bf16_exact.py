@@ -5,8 +5,6 @@ a few dozen tokens in 7 of 8 dev prompts."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +15,16 @@ from dspark.config import EngineConfig, SamplingParams, SpecConfig
 from dspark.engine.engine import Engine
 from dspark.models.loader import ModelLoadError
 
-DEV = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "dev_prompts.jsonl"
+# Dev prompts 2, 4 and 6, where n-gram speculation in bf16 left plain decoding at tokens 7, 17
+# and 6 before the fix.
+DRIFT_PROMPTS = [
+    "Create a JavaScript function that takes an array of integers and returns an array of pairs of "
+    "adjacent elements, as arrays, from the original array.",
+    "Design a regex expression that validates a given password based on a given criteria.\n\n"
+    "Password must have at least one lowercase letter, one uppercase letter, one number and should "
+    "be at least 6 characters long.",
+    "Write a Python function to calculate the factorial of a given number using recursion.\n\n6",
+]
 
 
 def _decode_vs_verify(engine: Engine, ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,10 +74,7 @@ def test_smollm2_decode_equals_verify_bitwise(smol_bf16):
 def test_smollm2_ngram_output_equals_plain_in_bf16(smol_bf16):
     """End to end on the real model: n-gram speculation (chains of up to 8) against plain
     decoding, greedy, on dev prompts where bf16 drift used to flip a token early."""
-    if not DEV.exists():
-        pytest.skip("no ../shared/data/dev_prompts.jsonl")
-    prompts = [json.loads(line)["prompt"] for line in DEV.read_text().splitlines()[:8]]
-    picks = [prompts[i] for i in (2, 4, 6)]  # diverged at tokens 7, 17 and 6 before the fix
+    picks = DRIFT_PROMPTS
     params = SamplingParams(temperature=0.0, max_tokens=48)
     spec = Engine(EngineConfig(device="cpu", dtype="bfloat16", spec=SpecConfig(drafter="ngram")))
     for engine in (smol_bf16, spec):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from dspark.models.llama import exact_dtype
+from dspark.models.llama import cpu_reduced_precision, exact_dtype
 
 
 @dataclass
@@ -62,11 +62,6 @@ class TorchAttention:
 
     def __init__(self, device: str | torch.device):
         self.device = torch.device(device)
-        # CPU SDPA with a boolean mask runs several times slower in bf16/fp16 than in fp32
-        # (measured 4x at q=1), so reduced-precision caches are attended in fp32 there, and
-        # decode/verification groups in float64 (see exact_dtype: plain and speculative
-        # decoding must reach the same bits).
-        self.upcast = self.device.type == "cpu"
 
     def plan(self, batch: AttnBatch) -> None:
         self.num_tokens = sum(batch.q_lens)
@@ -123,7 +118,11 @@ class TorchAttention:
             qp = qz[g.q_index]  # [S, Qmax, H, D]
             kp = k_cache[g.gather]  # [S, Lmax, Hkv, D]
             vp = v_cache[g.gather]
-            if self.upcast and qp.dtype != torch.float32:
+            if cpu_reduced_precision(qp):
+                # CPU SDPA with a boolean mask runs several times slower in bf16/fp16 than in
+                # fp32 (measured 4x at q=1), so prefill chunks are attended in fp32, and decode/
+                # verification groups in float64 (exact_dtype: plain and speculative decoding
+                # must reach the same bits).
                 dt = exact_dtype(qp) if g.short else torch.float32
                 qp, kp, vp = qp.to(dt), kp.to(dt), vp.to(dt)
             o = F.scaled_dot_product_attention(

@@ -59,7 +59,7 @@ class NeuralSpecRunner(SpecRunner):
     # While the load-aware policy finds (on a running average) that even its best choice loses to
     # plain decoding once the drafter's own pass is paid for, drafting pauses for a number of
     # steps that doubles on each failed retry (up to MAX_BACKOFF), then the drafter is tried again.
-    MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA = 4, 64, 0.25
+    MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA, DRAFT_TIME_EMA = 4, 64, 0.25, 0.2
 
     def estimated_draft_seconds(self, R: int) -> float:
         """Measured drafter pass time at batch R, from the nearest batch size seen (0 before any)."""
@@ -70,8 +70,8 @@ class NeuralSpecRunner(SpecRunner):
 
     def _record_pass(self, R: int, seconds: float) -> None:
         self.num_draft_passes += 1
-        old = self.draft_seconds.get(R)
-        self.draft_seconds[R] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        old = self.draft_seconds.get(R, seconds)
+        self.draft_seconds[R] = old + self.DRAFT_TIME_EMA * (seconds - old)
         gain = getattr(self.policy, "last_gain", None)
         if gain is None:
             return

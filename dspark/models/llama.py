@@ -111,6 +111,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def cpu_reduced_precision(x: torch.Tensor) -> bool:
+    """bf16/fp16 on CPU: where kernels' summation order shows in the rounded result."""
+    return x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
+
+
 def exact_dtype(x: torch.Tensor) -> torch.dtype:
     """Precision for a reduction whose result is rounded back to x's dtype.
 
@@ -119,8 +124,7 @@ def exact_dtype(x: torch.Tensor) -> torch.dtype:
     last-bit differences cross a bf16 rounding boundary often enough to flip greedy choices (so
     speculative output would stop matching plain decoding), in float64 practically never. GPUs
     keep float32, as HF does."""
-    return torch.float64 if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" \
-        else torch.float32
+    return torch.float64 if cpu_reduced_precision(x) else torch.float32
 
 
 class Linear(nn.Linear):
@@ -129,7 +133,7 @@ class Linear(nn.Linear):
     a 1536-wide input), so a decoded token would get other bits than the same token verified."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+        if x.shape[0] == 1 and cpu_reduced_precision(x):
             return super().forward(x.expand(2, *x.shape[1:]).contiguous())[:1]
         return super().forward(x)
 

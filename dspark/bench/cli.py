@@ -1,9 +1,10 @@
 """`dspark bench`: measure decoding methods side by side and print one JSON object.
 
 The offline benchmark (one process, no server) is the default mode: ``dspark bench --methods hf,ar``.
-The measurement itself lives in :mod:`dspark.bench.offline`. Two sub-modes:
+The measurement itself lives in :mod:`dspark.bench.offline`. Three sub-modes:
 ``dspark bench serve`` drives a running server over HTTP (:mod:`dspark.bench.serve`) and
-``dspark bench plot`` overlays saved serving reports (:mod:`dspark.bench.plot`).
+``dspark bench plot`` overlays saved serving reports (:mod:`dspark.bench.plot`); ``dspark bench roofline``
+times decode and verification passes of a random model against the bandwidth roofline.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 from dspark.bench.offline import METHODS
+from dspark.bench.roofline import add_roofline_parser
 from dspark.bench.serve_cli import add_plot_parser, add_serve_bench_parser
 
 
@@ -26,7 +28,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction,
         description="Run methods side by side on a prompts file in one process and print one JSON "
                     f"object. Methods: {', '.join(METHODS)}. Decode speed excludes prefill. "
                     "`dspark bench serve --help`: benchmark a running server over HTTP instead; "
-                    "`dspark bench plot --help`: overlay saved serving reports.")
+                    "`dspark bench plot --help`: overlay saved serving reports; "
+                    "`dspark bench roofline --help`: passes of a random model vs the bandwidth roofline.")
     add_engine_args(p)
     p.add_argument("--prompts", default=None,
                    help="jsonl with a 'prompt' string or 'turns' list per row "
@@ -43,10 +46,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction,
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     p.set_defaults(func=cmd_bench)
-    modes = p.add_subparsers(dest="bench_mode", metavar="{serve,plot}",
+    modes = p.add_subparsers(dest="bench_mode", metavar="{serve,plot,roofline}",
                              help="optional sub-mode (none: the offline benchmark)")
     add_serve_bench_parser(modes)
     add_plot_parser(modes)
+    add_roofline_parser(modes)
     return p
 
 

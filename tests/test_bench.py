@@ -72,3 +72,29 @@ def test_bench_reports_failing_method(model: None, tmp_path: pathlib.Path, capsy
                "--kv-cache-tokens", "1024", "--threads", "1"])
     assert rc == 0
     assert "error" in json.loads(capsys.readouterr().out)["methods"]["dspark"]
+
+
+def test_bench_roofline_tiny_shape(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dspark bench roofline` on CPU with the tiny shape: a decode and a verify row per batch size,
+    bytes that follow the shape, and the report written to --output."""
+    out = tmp_path / "roofline.json"
+    rc = main(["bench", "roofline", "--shape", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch-sizes", "1,3",
+               "--context", "20", "--verify-tokens", "4", "--reps", "1", "--output", str(out)])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads(out.read_text())
+    rows = {(r["kind"], r["batch_size"]): r for r in report["rows"]}
+    assert set(rows) == {("decode", 1), ("verify", 1), ("decode", 3), ("verify", 3)}
+    assert rows["verify", 3]["tokens_per_request"] == 5 and rows["decode", 3]["decode_tok_s"] > 0
+    # tiny: 2 layers x 2 kv heads x 16 dims x (k, v) x 4 bytes = 512 bytes of K/V per token
+    kv_extra = rows["decode", 3]["gbytes_per_step"] - rows["decode", 1]["gbytes_per_step"]
+    assert kv_extra == pytest.approx(2 * 21 * 512 / 1e9, abs=2e-3)
+    assert all(0 < r["fraction_of_roofline"] for r in report["rows"])
+    assert set(report["verify_over_decode"]) == {"1", "3"}
+
+
+def test_bench_roofline_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "roofline", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "0"]) != 0
+    assert "batch sizes must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "roofline", "--shape", "tiny", "--device", "cpu", "--verify-tokens", "0"]) != 0
+    assert "--verify-tokens" in capsys.readouterr().err

@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (used by default on CUDA with the flashinfer backend)")
 
 
 def engine_config(args: argparse.Namespace, default_policy: str = "fixed"):
@@ -34,7 +36,8 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed"):
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, spec=spec)
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        enforce_eager=args.enforce_eager, spec=spec)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

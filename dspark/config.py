@@ -95,6 +95,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's context length
     max_num_batched_tokens: int = 2048  # tokens per forward (prefill chunking)
+    enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the flashinfer backend)
+    cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
 

@@ -64,11 +64,11 @@ def test_flashinfer_matches_torch_backend(case, heads):
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
 
-def _engine(model: str, drafter: str, backend: str, **spec):
+def _engine(model: str, drafter: str, backend: str, enforce_eager: bool = True, **spec):
     from dspark.engine.engine import Engine
 
     return Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", attention_backend=backend,
-                               spec=SpecConfig(drafter=drafter, **spec)))
+                               enforce_eager=enforce_eager, max_num_seqs=8, spec=SpecConfig(drafter=drafter, **spec)))
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -98,3 +98,20 @@ def test_smollm2_logits_flashinfer_vs_torch():
     a, b = (run_requests(e, [(prompt, sp, None)])[0].token_ids for e in engines)
     agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
     assert agree >= 8, f"backends diverge at token {agree}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("drafter", ["none", "dspark"])
+def test_graph_replay_equals_eager(folders, drafter):
+    """Captured decode, verification and drafter graphs give the eager engine's greedy output."""
+    pytest.importorskip("flashinfer")
+    d = folders.get(drafter, drafter)
+    prompts = alphabet_prompts([15, 17, 24, 33, 40], seed=7)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    eager = run_requests(_engine(folders["target"], d, "flashinfer"), [(p, sp, None) for p in prompts])
+    eng = _engine(folders["target"], d, "flashinfer", enforce_eager=False)
+    graphed = run_requests(eng, [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert all(p.capture for p in eng.runner.graphs.values())
+    assert sum(p.num_served for p in eng.runner.graphs.values()) > 10
+    if drafter == "dspark":
+        assert eng.spec.graphs.num_served == eng.spec.num_draft_passes > 0

@@ -135,8 +135,9 @@ class TorchAttention:
         return out
 
 
-def make_backend(name: str, device: str | torch.device):
-    """Pick an attention backend: "torch", "flashinfer" or "auto"."""
+def make_backend(name: str, device: str | torch.device, static=None):
+    """Pick an attention backend: "torch", "flashinfer" or "auto". static (a StaticBatch) asks for
+    CUDA-graph-safe buffers; the torch backend, which is never captured, ignores it."""
     dev = torch.device(device)
     if name == "auto":
         name = "torch"
@@ -152,5 +153,5 @@ def make_backend(name: str, device: str | torch.device):
     if name == "flashinfer":
         from dspark.engine.flashinfer_backend import FlashInferAttention
 
-        return FlashInferAttention(dev)
+        return FlashInferAttention(dev, static)
     raise ValueError(f"unknown attention backend {name!r}: choose torch, flashinfer or auto")

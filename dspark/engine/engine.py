@@ -17,7 +17,9 @@ import torch
 
 from dspark.config import EngineConfig, SamplingParams
 from dspark.engine.attention import make_backend
+from dspark.engine.cuda_graphs import SCRATCH_TOKENS, GraphPool, default_ladder
 from dspark.engine.detokenizer import decode_new_text, find_stop
+from dspark.engine.flashinfer_backend import StaticBatch
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.model_runner import ModelRunner
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
@@ -53,11 +55,16 @@ class Engine:
         page_size = config.page_size
         num_pages = max(1, config.kv_cache_tokens // page_size)
         self.pool = PagePool(num_pages, page_size)
-        kv = KVCache(mc.num_hidden_layers, num_pages, page_size, mc.num_key_value_heads,
+        # a few pages past the pool's own: the padding requests of CUDA graphs write there
+        self.scratch_pages = list(range(num_pages, num_pages + -(-SCRATCH_TOKENS // page_size)))
+        self.kv_pages = num_pages + len(self.scratch_pages)
+        kv = KVCache(mc.num_hidden_layers, self.kv_pages, page_size, mc.num_key_value_heads,
                      mc.head_dim, self.dtype, self.device)
         self.attn = make_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.pool, kv, self.attn, self.device)
         self.spec = SpecRunner.create(config.spec, self)
+        if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer":
+            self.enable_graphs(capture=True)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
@@ -65,6 +72,36 @@ class Engine:
         self.num_preemptions = 0
         self.spec_stats = SpecStats()  # engine-wide totals
         self._finished_pending: list[Sequence] = []
+
+    def enable_graphs(self, capture: bool = True) -> None:
+        """Serve uniform forwards from padded CUDA graphs at a ladder of batch sizes: plain decode
+        and chain verification here, the drafter's block in the spec runner. capture=False pads
+        the same way but runs eagerly (how the CPU tests check the padding)."""
+        cfg = self.config
+        ladder = list(cfg.cuda_graph_batch_sizes or default_ladder(cfg.max_num_seqs))
+        max_pages = -(-self.max_model_len // cfg.page_size) + 1
+
+        def pool(fn, tokens: int, mask: str = "causal") -> GraphPool:
+            def make_attn(n: int):
+                return make_backend(cfg.attention_backend, self.device, StaticBatch(n, tokens, max_pages))
+            return GraphPool(fn, make_attn, ladder, tokens, mask, self.scratch_pages, cfg.page_size,
+                             self.device, capture)
+
+        runner, layers = self.runner, self.spec.capture_layers
+
+        def target(ids, pos, attn):
+            return runner.model(ids, pos, attn, runner.kv, layers)
+
+        sizes = sorted({1, 1 + self.spec.block_size})
+        runner.graphs = {q: pool(target, q) for q in sizes}
+        runner.graph_capture_layers = layers
+        drafter_fn = self.spec.graph_forward()
+        if drafter_fn is not None:
+            self.spec.graphs = pool(drafter_fn, self.spec.drafter.config.block_size, "full")
+        if capture:
+            for p in [*runner.graphs.values(), getattr(self.spec, "graphs", None)]:
+                if p is not None:
+                    p.capture_all()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int] | list[dict],

@@ -59,31 +59,71 @@ def paged_layout(batch: AttnBatch) -> PagedLayout:
         decode_only=batch.mask != "custom" and all(q == 1 for q in batch.q_lens))
 
 
+@dataclass(frozen=True)
+class StaticBatch:
+    """Capacity of a CUDA-graph backend: requests, tokens per request, pages per request."""
+
+    requests: int
+    tokens: int
+    max_pages: int
+
+
 class FlashInferAttention:
-    """Paged prefill/decode kernels from FlashInfer behind the backend interface of TorchAttention."""
+    """Paged prefill/decode kernels from FlashInfer behind the backend interface of TorchAttention.
+
+    `static` makes the wrappers CUDA-graph safe: their index arrays and the slot mapping live in
+    fixed device buffers that every `plan` rewrites in place, so a captured forward replays on
+    the new batch. Such a backend serves one (requests, tokens) shape."""
 
     name = "flashinfer"
     WORKSPACE_BYTES = 128 << 20
 
-    def __init__(self, device: str | torch.device):
+    def __init__(self, device: str | torch.device, static: StaticBatch | None = None):
         import flashinfer
 
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
+        self.device = dev = torch.device(device)
+        if dev.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
-        ws = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        ws = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.static = static
+        graph: dict = {}
+        if static is not None:
+            i32 = dict(dtype=torch.int32, device=dev)
+            R = static.requests
+            self._bufs = (torch.zeros(R + 1, **i32), torch.zeros(R + 1, **i32),
+                          torch.zeros(R * static.max_pages, **i32), torch.zeros(R, **i32))
+            self.slot_mapping = torch.zeros(R * static.tokens, dtype=torch.long, device=dev)
+            graph = dict(use_cuda_graph=True)
+        if static is not None and static.tokens == 1:
+            qo, kv_ptr, idx, last = self._bufs
+            graph.update(paged_kv_indptr_buffer=kv_ptr, paged_kv_indices_buffer=idx,
+                         paged_kv_last_page_len_buffer=last)
         # tensor cores: the decode kernel then takes any GQA group size (SmolLM2's is 3)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True, **graph)
+        if static is not None:
+            qo, kv_ptr, idx, last = self._bufs
+            graph = dict(use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=kv_ptr,
+                         paged_kv_indices_buf=idx, paged_kv_last_page_len_buf=last)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **graph)
         self.layout: PagedLayout | None = None
         self._planned_for: tuple | None = None
+        self._heads: tuple | None = None
 
     def plan(self, batch: AttnBatch) -> None:
         self.layout = paged_layout(batch)
         self.page_size = batch.page_size
         self.num_tokens = sum(batch.q_lens)
-        self.slot_mapping = torch.tensor(batch.slot_mapping(), dtype=torch.long).to(self.device, non_blocking=True)
+        slots = torch.tensor(batch.slot_mapping(), dtype=torch.long)
+        if self.static is None:
+            self.slot_mapping = slots.to(self.device, non_blocking=True)
+        else:
+            if self.num_tokens != self.slot_mapping.numel() or len(batch.q_lens) != self.static.requests:
+                raise ValueError(f"a static backend for {self.static} got {len(batch.q_lens)} requests and "
+                                 f"{self.num_tokens} tokens")
+            self.slot_mapping.copy_(slots, non_blocking=True)
         self._planned_for = None
+        if self._heads is not None:  # known from an earlier forward: plan now, outside any graph capture
+            self._plan_kernels(self._heads)
 
     def _plan_kernels(self, key: tuple) -> None:
         H, Hkv, D, q_dtype, kv_dtype, scale = key
@@ -96,7 +136,7 @@ class FlashInferAttention:
             self._prefill.plan(lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.last_page_len, H, Hkv, D, ps,
                                custom_mask=mask, causal=lay.causal and mask is None, sm_scale=scale,
                                q_data_type=q_dtype, kv_data_type=kv_dtype)
-        self._planned_for = key
+        self._planned_for = self._heads = key
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -105,8 +145,10 @@ class FlashInferAttention:
         v_cache.index_copy_(0, self.slot_mapping, v)
         key = (q.shape[1], k.shape[1], q.shape[2], q.dtype, k_cache.dtype, float(scale))
         if self._planned_for != key:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("plan a static flashinfer backend once eagerly before capturing a graph")
             self._plan_kernels(key)
         ps = self.page_size
         pages = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
         wrapper = self._decode if self.layout.decode_only else self._prefill
-        return wrapper.run(q.contiguous(), pages)
+        return wrapper.run(q, pages)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.attention import AttnBatch
+from dspark.engine.cuda_graphs import GraphPool
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.sequence import Sequence
 
@@ -26,6 +27,8 @@ class ModelRunner:
 
     def __init__(self, model, pool: PagePool, kv: KVCache, attn, device: torch.device):
         self.model, self.pool, self.kv, self.attn, self.device = model, pool, kv, attn, device
+        self.graphs: dict[int, GraphPool] = {}  # tokens per request -> padded (captured) forwards
+        self.graph_capture_layers: tuple[int, ...] = ()
 
     def batch_layout(self, items: list[tuple[Sequence, list[int]]], mask: str = "causal",
                      custom_masks: list | None = None) -> tuple[AttnBatch, torch.Tensor, torch.Tensor]:
@@ -47,8 +50,11 @@ class ModelRunner:
         batch, ids, pos = self.batch_layout(items, mask, custom_masks)
         if positions is not None:
             pos = positions.to(self.device)
-        self.attn.plan(batch)
-        hidden, feats = self.model(ids, pos, self.attn, self.kv, capture)
+        out = self._graph_forward(batch, ids, pos, capture, positions is not None)
+        if out is None:
+            self.attn.plan(batch)
+            out = self.model(ids, pos, self.attn, self.kv, capture)
+        hidden, feats = out
         logits = None
         if logit_rows:
             logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
@@ -57,3 +63,11 @@ class ModelRunner:
             starts.append(acc)
             acc += n
         return ForwardResult(hidden, feats, logits, starts)
+
+    def _graph_forward(self, batch: AttnBatch, ids, pos, capture, custom_positions: bool):
+        """(hidden, feats) from a graph pool when one fits this batch, else None."""
+        if not self.graphs or custom_positions or tuple(capture) != self.graph_capture_layers:
+            return None
+        longest = max(batch.q_lens)
+        q = next((n for n in sorted(self.graphs) if n >= longest), None)
+        return None if q is None else self.graphs[q].run(batch, ids, pos)

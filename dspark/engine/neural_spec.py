@@ -34,7 +34,7 @@ class NeuralSpecRunner(SpecRunner):
         self.block_size = cfg.block_size or dc.num_drafts
         self.capture_layers = tuple(dc.target_layer_ids)
         pool = engine.pool
-        self.kv = KVCache(dc.num_hidden_layers, pool.num_pages, pool.page_size, dc.num_key_value_heads,
+        self.kv = KVCache(dc.num_hidden_layers, engine.kv_pages, pool.page_size, dc.num_key_value_heads,
                           dc.head_dim, engine.dtype, engine.device)
         self.attn = make_backend(engine.config.attention_backend, engine.device)
         cost = None
@@ -98,8 +98,11 @@ class NeuralSpecRunner(SpecRunner):
         B, nd, R = dc.block_size, dc.num_drafts, len(active)
         items = [(s, [s.output_ids[-1]] + [dc.mask_token_id] * (B - 1)) for s in active]
         batch, ids, pos = self.engine.runner.batch_layout(items, mask="full")
-        self.attn.plan(batch)
-        h = self.drafter.block_hidden(ids, pos, self.attn, self.kv).view(R, B, -1)
+        out = self.graphs.run(batch, ids, pos) if self.graphs is not None else None
+        if out is None:
+            self.attn.plan(batch)
+            out = self.graph_forward()(ids, pos, self.attn)
+        h = out[0].view(R, B, -1)
         h = self.drafter.draft_hidden(h)
         if self.cfg.tree:
             return self._propose_trees(active, self.drafter.head(h))
@@ -144,6 +147,12 @@ class NeuralSpecRunner(SpecRunner):
             if probs and not s.params.greedy:
                 self._q[s.seq_id] = torch.stack([p[r] for p in probs])
         return out
+
+    def graph_forward(self):
+        """The drafter's block forward as (ids, positions, attn) -> (final hidden,), for graph pools."""
+        def block(ids, pos, attn):
+            return (self.drafter.block_hidden(ids, pos, attn, self.kv),)
+        return block
 
     def _propose_trees(self, active: list[Sequence], base: torch.Tensor) -> dict[int, DraftTree]:
         """Top-k children per node through the Markov head, pruned to the node budget.

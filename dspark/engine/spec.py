@@ -35,6 +35,11 @@ class SpecRunner:
         return max(0, min(block, left, room))
 
     block_size = 0
+    graphs = None  # the drafter's GraphPool, when the engine uses CUDA graphs
+
+    def graph_forward(self):
+        """The drafter's block forward for CUDA graphs (None: this runner has no drafter model)."""
+        return None
 
     def max_tokens_for(self, seq: Sequence) -> int:
         """Cache slots beyond num_cached a step may write for seq."""

@@ -1,0 +1,146 @@
+"""CUDA graphs for the uniform forwards of a speculative step: plain decode (1 token per request),
+chain verification (anchor + drafts) and the drafter's block.
+
+A GraphPool holds one captured forward per batch size on a ladder. A batch is padded up to the
+next size: each request's tokens to the pool's `tokens` (extra tokens sit after the real ones,
+so causal attention keeps them out of the real rows; their K/V land in the request's own
+reserved slots, which nothing reads before a real token overwrites them), and missing requests
+with dummy ones on scratch pages. The real rows are gathered back in the batch's ragged order.
+Anything the ladder cannot hold (prefill chunks, trees, more requests than the largest size, a
+request without pages for the padding) runs eagerly: `run` returns None.
+
+Without capture (`capture=False`, or on CPU) the pool runs the same padded forward eagerly;
+the tests use that to check the padding on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dspark.engine.attention import AttnBatch
+
+SCRATCH_TOKENS = 64  # cache slots kept outside the page pool for padding requests (blocks up to 63)
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, object], tuple]  # (ids, positions, attn) -> tensors
+
+
+def default_ladder(max_requests: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 32 beyond, ending at max_requests."""
+    sizes, n = [], 1
+    while n < max_requests:
+        sizes.append(n)
+        n = n * 2 if n < 8 else n + (8 if n < 64 else 32)
+    return sizes + [max_requests]
+
+
+@dataclass
+class _Captured:
+    attn: object
+    ids: torch.Tensor
+    pos: torch.Tensor
+    outputs: tuple
+    graph: torch.cuda.CUDAGraph | None
+
+
+class GraphPool:
+    """Padded, optionally captured forwards of `fn` for batches of up to max(ladder) requests,
+    each adding at most `tokens` tokens under `mask` ("causal" or "full")."""
+
+    def __init__(self, fn: ForwardFn, make_attn: Callable[[int], object], ladder: list[int], tokens: int,
+                 mask: str, scratch_pages: list[int], page_size: int, device: torch.device, capture: bool):
+        if mask not in ("causal", "full"):
+            raise ValueError(f"graphs serve causal or full blocks, not {mask!r}")
+        if len(scratch_pages) * page_size < tokens:
+            raise ValueError(f"{len(scratch_pages)} scratch pages cannot hold {tokens} padding tokens")
+        self.fn, self.make_attn, self.tokens, self.mask = fn, make_attn, tokens, mask
+        self.ladder = sorted(set(ladder))
+        self.scratch, self.page_size, self.device = scratch_pages, page_size, device
+        self.capture = capture and device.type == "cuda"
+        self._entries: dict[int, _Captured] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.num_served = 0  # batches this pool ran (captured or, without capture, padded eagerly)
+
+    def size_for(self, num_requests: int) -> int | None:
+        return next((n for n in self.ladder if n >= num_requests), None)
+
+    def capture_all(self) -> None:
+        """Capture every ladder size, largest first so smaller graphs reuse its memory pool."""
+        for n in reversed(self.ladder):
+            self._entry(n)
+
+    def _dummy(self, n: int) -> AttnBatch:
+        q = self.tokens
+        return AttnBatch(q_lens=[q] * n, kv_lens=[q] * n, page_tables=[list(self.scratch)] * n,
+                         page_size=self.page_size, mask=self.mask)
+
+    def _entry(self, n: int) -> _Captured:
+        if n in self._entries:
+            return self._entries[n]
+        attn = self.make_attn(n)
+        ids = torch.zeros(n * self.tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(self.tokens, device=self.device).repeat(n)
+        attn.plan(self._dummy(n))
+        graph = None
+        if self.capture:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: kernel selection, lazy planning, allocator
+                    self.fn(ids, pos, attn)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                outputs = self.fn(ids, pos, attn)
+        else:
+            outputs = ()
+        self._entries[n] = e = _Captured(attn, ids, pos, outputs, graph)
+        return e
+
+    def pad(self, batch: AttnBatch, ids: torch.Tensor, pos: torch.Tensor):
+        """(padded batch, padded ids, padded positions, real rows) or None if the batch does not fit."""
+        R, q = len(batch.q_lens), self.tokens
+        n = self.size_for(R)
+        if n is None or batch.mask != self.mask:
+            return None
+        ps = self.page_size
+        for ql, kv, pages in zip(batch.q_lens, batch.kv_lens, batch.page_tables):
+            if ql > q or (self.mask == "full" and ql != q) or kv - ql + q > len(pages) * ps:
+                return None
+        q_lens, kv_lens, tables, rows = [], [], [], []
+        pad_ids = torch.zeros(n * q, dtype=torch.long, device=ids.device)
+        pad_pos = torch.arange(q, device=pos.device).repeat(n)
+        at = 0
+        for i, (ql, kv, pages) in enumerate(zip(batch.q_lens, batch.kv_lens, batch.page_tables)):
+            q_lens.append(q)
+            kv_lens.append(kv - ql + q)
+            tables.append(pages)
+            pad_ids[i * q:i * q + ql] = ids[at:at + ql]
+            pad_pos[i * q:(i + 1) * q] = pos[at] + torch.arange(q, device=pos.device)
+            rows.extend(range(i * q, i * q + ql))
+            at += ql
+        for _ in range(R, n):
+            q_lens.append(q)
+            kv_lens.append(q)
+            tables.append(list(self.scratch))
+        padded = AttnBatch(q_lens=q_lens, kv_lens=kv_lens, page_tables=tables, page_size=ps, mask=self.mask)
+        return padded, pad_ids, pad_pos, torch.tensor(rows, dtype=torch.long, device=ids.device)
+
+    def run(self, batch: AttnBatch, ids: torch.Tensor, pos: torch.Tensor) -> tuple | None:
+        """The forward's outputs for the real rows of batch (None: run it eagerly instead)."""
+        padded = self.pad(batch, ids, pos)
+        if padded is None:
+            return None
+        pbatch, pids, ppos, rows = padded
+        e = self._entry(len(pbatch.q_lens))
+        e.attn.plan(pbatch)
+        self.num_served += 1
+        if e.graph is None:
+            outputs = self.fn(pids, ppos, e.attn)
+        else:
+            e.ids.copy_(pids)
+            e.pos.copy_(ppos)
+            e.graph.replay()
+            outputs = e.outputs
+        return tuple(o[rows] if o is not None else None for o in outputs)

@@ -135,9 +135,10 @@ class TorchAttention:
         return out
 
 
-def make_backend(name: str, device: str | torch.device, static=None):
+def make_backend(name: str, device: str | torch.device, static=None, workspace: torch.Tensor | None = None):
     """Pick an attention backend: "torch", "flashinfer" or "auto". static (a StaticBatch) asks for
-    CUDA-graph-safe buffers; the torch backend, which is never captured, ignores it."""
+    CUDA-graph-safe buffers and workspace shares another FlashInfer backend's scratch memory; the
+    torch backend, which is never captured, ignores both."""
     dev = torch.device(device)
     if name == "auto":
         name = "torch"
@@ -153,5 +154,5 @@ def make_backend(name: str, device: str | torch.device, static=None):
     if name == "flashinfer":
         from dspark.engine.flashinfer_backend import FlashInferAttention
 
-        return FlashInferAttention(dev, static)
+        return FlashInferAttention(dev, static, workspace)
     raise ValueError(f"unknown attention backend {name!r}: choose torch, flashinfer or auto")

@@ -83,7 +83,8 @@ class Engine:
 
         def pool(fn, tokens: int, mask: str = "causal") -> GraphPool:
             def make_attn(n: int):
-                return make_backend(cfg.attention_backend, self.device, StaticBatch(n, tokens, max_pages))
+                return make_backend(cfg.attention_backend, self.device, StaticBatch(n, tokens, max_pages),
+                                    getattr(self.attn, "workspace", None))
             return GraphPool(fn, make_attn, ladder, tokens, mask, self.scratch_pages, cfg.page_size,
                              self.device, capture)
 

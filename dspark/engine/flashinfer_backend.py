@@ -78,33 +78,36 @@ class FlashInferAttention:
     name = "flashinfer"
     WORKSPACE_BYTES = 128 << 20
 
-    def __init__(self, device: str | torch.device, static: StaticBatch | None = None):
+    def __init__(self, device: str | torch.device, static: StaticBatch | None = None,
+                 workspace: torch.Tensor | None = None):
         import flashinfer
 
         self.device = dev = torch.device(device)
         if dev.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
-        ws = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        # backends that never run at the same time (the engine's eager one and its graphs) share one
+        self.workspace = ws = workspace if workspace is not None else \
+            torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.static = static
-        graph: dict = {}
-        if static is not None:
+        self._decode = self._prefill = None
+        if static is None:
+            # tensor cores: the decode kernel then takes any GQA group size (SmolLM2's is 3)
+            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        else:
             i32 = dict(dtype=torch.int32, device=dev)
             R = static.requests
-            self._bufs = (torch.zeros(R + 1, **i32), torch.zeros(R + 1, **i32),
-                          torch.zeros(R * static.max_pages, **i32), torch.zeros(R, **i32))
+            qo, kv_ptr, idx, last = (torch.zeros(R + 1, **i32), torch.zeros(R + 1, **i32),
+                                     torch.zeros(R * static.max_pages, **i32), torch.zeros(R, **i32))
             self.slot_mapping = torch.zeros(R * static.tokens, dtype=torch.long, device=dev)
-            graph = dict(use_cuda_graph=True)
-        if static is not None and static.tokens == 1:
-            qo, kv_ptr, idx, last = self._bufs
-            graph.update(paged_kv_indptr_buffer=kv_ptr, paged_kv_indices_buffer=idx,
-                         paged_kv_last_page_len_buffer=last)
-        # tensor cores: the decode kernel then takes any GQA group size (SmolLM2's is 3)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True, **graph)
-        if static is not None:
-            qo, kv_ptr, idx, last = self._bufs
-            graph = dict(use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=kv_ptr,
-                         paged_kv_indices_buf=idx, paged_kv_last_page_len_buf=last)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **graph)
+            if static.tokens == 1:
+                self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=kv_ptr,
+                    paged_kv_indices_buffer=idx, paged_kv_last_page_len_buffer=last)
+            else:
+                self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    ws, "NHD", use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=kv_ptr,
+                    paged_kv_indices_buf=idx, paged_kv_last_page_len_buf=last)
         self.layout: PagedLayout | None = None
         self._planned_for: tuple | None = None
         self._heads: tuple | None = None
@@ -117,9 +120,9 @@ class FlashInferAttention:
         if self.static is None:
             self.slot_mapping = slots.to(self.device, non_blocking=True)
         else:
-            if self.num_tokens != self.slot_mapping.numel() or len(batch.q_lens) != self.static.requests:
-                raise ValueError(f"a static backend for {self.static} got {len(batch.q_lens)} requests and "
-                                 f"{self.num_tokens} tokens")
+            if batch.q_lens != [self.static.tokens] * self.static.requests or batch.mask == "custom":
+                raise ValueError(f"a static backend for {self.static} got query lengths {batch.q_lens} "
+                                 f"({batch.mask} mask)")
             self.slot_mapping.copy_(slots, non_blocking=True)
         self._planned_for = None
         if self._heads is not None:  # known from an earlier forward: plan now, outside any graph capture

@@ -71,16 +71,42 @@ def _engine(model: str, drafter: str, backend: str, enforce_eager: bool = True, 
                                enforce_eager=enforce_eager, max_num_seqs=8, spec=SpecConfig(drafter=drafter, **spec)))
 
 
+def _first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 @pytest.mark.parametrize("tree", [False, True])
-def test_greedy_spec_equals_plain_with_flashinfer(folders, tree):
+def test_greedy_spec_equals_plain_fp32_on_cuda(folders, tree):
+    """The engine's speculative logic on a GPU, where rounding cannot hide a bug: fp32, torch backend."""
+    from dspark.engine.engine import Engine
+
+    def engine(drafter):
+        return Engine(EngineConfig(model=folders["target"], device="cuda", dtype="float32", attention_backend="torch",
+                                   max_num_seqs=8, spec=SpecConfig(drafter=drafter, tree=tree)))
+
+    prompts = alphabet_prompts([15, 16, 17, 31, 33, 40], seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = run_requests(engine("none"), [(p, sp, None) for p in prompts])
+    spec_engine = engine(folders["dspark"])
+    spec = run_requests(spec_engine, [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.stats.accepted for o in spec) > 0
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_spec_matches_plain_with_flashinfer(folders, tree):
+    """bf16 with FlashInfer: plain decode runs the decode kernel and verification the prefill kernel,
+    which sum in other orders, so a near-tie may resolve differently (CPU avoids that with float64
+    reductions; GPUs do as vLLM does). Most outputs must be identical and none may diverge early."""
     pytest.importorskip("flashinfer")
     prompts = alphabet_prompts([15, 16, 17, 31, 33, 40], seed=3)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = run_requests(_engine(folders["target"], "none", "flashinfer"), [(p, sp, None) for p in prompts])
-    eng = _engine(folders["target"], folders["dspark"], "flashinfer", tree=tree)
-    spec = run_requests(eng, [(p, sp, None) for p in prompts])
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert eng.spec_stats.accepted > 0  # the drafts really were verified, not skipped
+    spec = run_requests(_engine(folders["target"], folders["dspark"], "flashinfer", tree=tree),
+                        [(p, sp, None) for p in prompts])
+    firsts = [_first_divergence(a.token_ids, b.token_ids) for a, b in zip(spec, plain)]
+    assert sum(f == 40 for f in firsts) >= 4 and min(firsts) >= 10, firsts
+    assert sum(o.stats.accepted for o in spec) > 0
 
 
 def test_smollm2_logits_flashinfer_vs_torch():
@@ -96,7 +122,7 @@ def test_smollm2_logits_flashinfer_vs_torch():
     sp = SamplingParams(temperature=0.0, max_tokens=24)
     prompt = [{"role": "user", "content": "Write a haiku about paged attention."}]
     a, b = (run_requests(e, [(prompt, sp, None)])[0].token_ids for e in engines)
-    agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    agree = _first_divergence(a, b)
     assert agree >= 8, f"backends diverge at token {agree}: {a} vs {b}"
 
 

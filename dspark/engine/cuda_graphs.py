@@ -82,24 +82,27 @@ class GraphPool:
         ids = torch.zeros(n * self.tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(self.tokens, device=self.device).repeat(n)
         attn.plan(self._dummy(n))
-        graph = None
-        if self.capture:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up: kernel selection, lazy planning, allocator
-                    self.fn(ids, pos, attn)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
-                outputs = self.fn(ids, pos, attn)
-        else:
-            outputs = ()
+        graph, outputs = self._capture(attn, ids, pos) if self.capture else (None, ())
         self._entries[n] = e = _Captured(attn, ids, pos, outputs, graph)
         return e
 
+    @torch.no_grad()  # no autograd records: they would pin every layer's activations in the graph pool
+    def _capture(self, attn, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: kernel selection, lazy planning, allocator
+                self.fn(ids, pos, attn)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            outputs = self.fn(ids, pos, attn)
+        return graph, outputs
+
     def pad(self, batch: AttnBatch, ids: torch.Tensor, pos: torch.Tensor):
-        """(padded batch, padded ids, padded positions, real rows) or None if the batch does not fit."""
+        """(padded batch, padded ids, padded positions, real rows) or None if the batch does not fit.
+        Positions are the default ones (each new token right after its request's cached ones), which
+        is all the runner sends here; pos only lends its dtype."""
         R, q = len(batch.q_lens), self.tokens
         n = self.size_for(R)
         if n is None or batch.mask != self.mask:
@@ -108,24 +111,26 @@ class GraphPool:
         for ql, kv, pages in zip(batch.q_lens, batch.kv_lens, batch.page_tables):
             if ql > q or (self.mask == "full" and ql != q) or kv - ql + q > len(pages) * ps:
                 return None
-        q_lens, kv_lens, tables, rows = [], [], [], []
-        pad_ids = torch.zeros(n * q, dtype=torch.long, device=ids.device)
-        pad_pos = torch.arange(q, device=pos.device).repeat(n)
-        at = 0
+        # index lists on the host, then one gather each: no per-request device ops
+        src, positions, rows, kv_lens, tables = [], [], [], [], []
+        at, pad_row = 0, len(ids)  # ids[pad_row] is the appended zero
         for i, (ql, kv, pages) in enumerate(zip(batch.q_lens, batch.kv_lens, batch.page_tables)):
-            q_lens.append(q)
+            src.extend(list(range(at, at + ql)) + [pad_row] * (q - ql))
+            positions.extend(range(kv - ql, kv - ql + q))
+            rows.extend(range(i * q, i * q + ql))
             kv_lens.append(kv - ql + q)
             tables.append(pages)
-            pad_ids[i * q:i * q + ql] = ids[at:at + ql]
-            pad_pos[i * q:(i + 1) * q] = pos[at] + torch.arange(q, device=pos.device)
-            rows.extend(range(i * q, i * q + ql))
             at += ql
         for _ in range(R, n):
-            q_lens.append(q)
+            src.extend([pad_row] * q)
+            positions.extend(range(q))
             kv_lens.append(q)
             tables.append(list(self.scratch))
-        padded = AttnBatch(q_lens=q_lens, kv_lens=kv_lens, page_tables=tables, page_size=ps, mask=self.mask)
-        return padded, pad_ids, pad_pos, torch.tensor(rows, dtype=torch.long, device=ids.device)
+        dev = ids.device
+        pad_ids = torch.cat([ids, ids.new_zeros(1)])[torch.tensor(src, device=dev)]
+        pad_pos = torch.tensor(positions, dtype=pos.dtype, device=dev)
+        padded = AttnBatch(q_lens=[q] * n, kv_lens=kv_lens, page_tables=tables, page_size=ps, mask=self.mask)
+        return padded, pad_ids, pad_pos, torch.tensor(rows, dtype=torch.long, device=dev)
 
     def run(self, batch: AttnBatch, ids: torch.Tensor, pos: torch.Tensor) -> tuple | None:
         """The forward's outputs for the real rows of batch (None: run it eagerly instead)."""

@@ -79,7 +79,7 @@ class Engine:
         the same way but runs eagerly (how the CPU tests check the padding)."""
         cfg = self.config
         ladder = list(cfg.cuda_graph_batch_sizes or default_ladder(cfg.max_num_seqs))
-        max_pages = -(-self.max_model_len // cfg.page_size) + 1
+        max_pages = -(-(self.max_model_len + SCRATCH_TOKENS) // cfg.page_size) + 1  # a table plus padding
 
         def pool(fn, tokens: int, mask: str = "causal") -> GraphPool:
             def make_attn(n: int):

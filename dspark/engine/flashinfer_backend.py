@@ -87,13 +87,16 @@ class FlashInferAttention:
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         # backends that never run at the same time (the engine's eager one and its graphs) share one
         self.workspace = ws = workspace if workspace is not None else \
-            torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+            torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)  # FlashInfer wants it zeroed
         self.static = static
-        self._decode = self._prefill = None
+        self._decode = self._prefill = self._masked = None
         if static is None:
             # tensor cores: the decode kernel then takes any GQA group size (SmolLM2's is 3)
             self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
             self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+            # "auto" settles on one kernel family at its first plan (fa3 on Hopper for causal
+            # prefill), and fa3 takes no custom mask, so trees get a wrapper pinned to fa2
+            self._masked = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
         else:
             i32 = dict(dtype=torch.int32, device=dev)
             R = static.requests
@@ -132,11 +135,16 @@ class FlashInferAttention:
         H, Hkv, D, q_dtype, kv_dtype, scale = key
         lay, ps = self.layout, self.page_size
         if lay.decode_only:
+            # no split-KV: a decode step then sums in the same order eagerly and in a graph
             self._decode.plan(lay.kv_indptr, lay.kv_indices, lay.last_page_len, H, Hkv, D, ps,
-                              q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale)
+                              q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale, disable_split_kv=True)
+            self._wrapper = self._decode
         else:
             mask = lay.custom_mask.to(self.device) if lay.custom_mask is not None else None
-            self._prefill.plan(lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.last_page_len, H, Hkv, D, ps,
+            self._wrapper = self._masked if mask is not None else self._prefill
+            if self._wrapper is None:
+                raise ValueError("a static flashinfer backend serves causal or full blocks only")
+            self._wrapper.plan(lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.last_page_len, H, Hkv, D, ps,
                                custom_mask=mask, causal=lay.causal and mask is None, sm_scale=scale,
                                q_data_type=q_dtype, kv_data_type=kv_dtype)
         self._planned_for = self._heads = key
@@ -153,5 +161,4 @@ class FlashInferAttention:
             self._plan_kernels(key)
         ps = self.page_size
         pages = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
-        wrapper = self._decode if self.layout.decode_only else self._prefill
-        return wrapper.run(q, pages)
+        return self._wrapper.run(q, pages)

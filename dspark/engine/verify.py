@@ -91,15 +91,22 @@ def _tree_needs(trees: list[DraftTree]) -> list[list[int]]:
 
 def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
     """Fill kept_rows and new_tokens of every work from the target logits of its rows."""
-    at, sampled = 0, []
+    at, sampled, greedy = 0, [], []
     for w in works:
         n = len(w.logit_rows())
-        sampled.append((w, logits[at:at + n] if n else None))
+        if n and w.seq.params.greedy:
+            greedy.append((w, at, n))
+        elif n:
+            sampled.append((w, logits[at:at + n]))
         at += n
         if w.kind == "prefill":
             w.kept_rows = list(range(len(w.tokens)))
-    chains = [(w, lg) for w, lg in sampled if lg is not None and w.tree is None]
-    trees = [(w, lg) for w, lg in sampled if lg is not None and w.tree is not None]
+    if greedy:
+        best = logits.argmax(-1).tolist()
+        for w, start, n in greedy:
+            _accept_greedy(w, best[start:start + n])
+    chains = [(w, lg) for w, lg in sampled if w.tree is None]
+    trees = [(w, lg) for w, lg in sampled if w.tree is not None]
     dev = logits.device if logits is not None else None
     if chains:
         R, K = len(chains), max(len(w.drafts) for w, _ in chains)
@@ -133,3 +140,27 @@ def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
         for r, (w, _) in enumerate(trees):
             w.kept_rows = [0] + paths[r]
             w.new_tokens = [w.tree.tokens[i - 1] for i in paths[r]] + [int(nxt[r])]
+
+
+def _accept_greedy(w: Work, best: list[int]) -> None:
+    """Greedy acceptance from the target's argmax at each verified row: keep drafts while they
+    equal it, then take it. This is exactly what rejection sampling does against a one-hot target
+    (the same argmax, the same tie-break), without [R, K+1, V] probabilities."""
+    if w.tree is None:
+        a = 0
+        while a < len(w.drafts) and w.drafts[a] == best[a]:
+            a += 1
+        if w.kind == "decode":
+            w.kept_rows = list(range(a + 1))
+        w.new_tokens = w.drafts[:a] + [best[a]]
+        return
+    t = w.tree
+    children: dict[int, list[int]] = {}
+    for i, par in enumerate(t.parents, start=1):
+        children.setdefault(par, []).append(i)
+    cur, path = 0, []
+    while (nxt := next((c for c in children.get(cur, ()) if t.tokens[c - 1] == best[cur]), None)) is not None:
+        path.append(nxt)
+        cur = nxt
+    w.kept_rows = [0] + path
+    w.new_tokens = [t.tokens[i - 1] for i in path] + [best[cur]]

@@ -232,7 +232,9 @@ class LlamaModel(nn.Module):
         return self.norm(h), feats
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """LM-head logits in the model's dtype: greedy verification only needs their argmax, and
+        whoever needs probabilities casts them (bf16 -> fp32 is exact, so nothing changes)."""
+        return self.lm_head(hidden)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up; refuse missing tensors."""

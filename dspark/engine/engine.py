@@ -65,6 +65,7 @@ class Engine:
         self.spec = SpecRunner.create(config.spec, self)
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer":
             self.enable_graphs(capture=True)
+        self.spec.calibrate()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
@@ -100,7 +101,7 @@ class Engine:
         if drafter_fn is not None:
             self.spec.graphs = pool(drafter_fn, self.spec.drafter.config.block_size, "full")
         if capture:
-            for p in [*runner.graphs.values(), getattr(self.spec, "graphs", None)]:
+            for p in [*runner.graphs.values(), self.spec.graphs]:
                 if p is not None:
                     p.capture_all()
 

@@ -37,17 +37,20 @@ class NeuralSpecRunner(SpecRunner):
         self.kv = KVCache(dc.num_hidden_layers, engine.kv_pages, pool.page_size, dc.num_key_value_heads,
                           dc.head_dim, engine.dtype, engine.device)
         self.attn = make_backend(engine.config.attention_backend, engine.device)
-        cost = None
-        if cfg.policy == "load-aware":
-            from dspark.engine.profile import load_or_measure
-
-            cost = load_or_measure(engine)
-        self.policy = make_policy(cfg.policy, cfg.threshold, cost)
+        # load-aware needs the target's cost profile: calibrate() measures it once the engine is
+        # complete (CUDA graphs change what a pass costs)
+        self.policy = None if cfg.policy == "load-aware" else make_policy(cfg.policy, cfg.threshold, None)
         self._q: dict[int, torch.Tensor] = {}
         self.last_conf: dict[int, list[float]] = {}
         self.draft_seconds: dict[int, float] = {}  # EMA of a drafter pass's wall time, by batch size
         self.num_draft_passes = 0
         self._skip_steps, self._backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
+
+    def calibrate(self) -> None:
+        if self.policy is None:
+            from dspark.engine.profile import load_or_measure
+
+            self.policy = make_policy(self.cfg.policy, self.cfg.threshold, load_or_measure(self.engine))
 
     def max_tokens_for(self, seq: Sequence) -> int:
         budget = self.draft_budget(seq)

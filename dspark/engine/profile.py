@@ -17,7 +17,8 @@ LADDER = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 def _key(engine) -> str:
-    raw = f"v2|{engine.model_path}|{engine.device}|{engine.dtype}|{torch.get_num_threads()}|{engine.attn.name}"
+    raw = (f"v2|{engine.model_path}|{engine.device}|{engine.dtype}|{torch.get_num_threads()}|{engine.attn.name}"
+           f"|graphs={bool(engine.runner.graphs)}")
     if engine.device.type == "cuda":
         raw += "|" + torch.cuda.get_device_name(engine.device)
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -25,7 +26,8 @@ def _key(engine) -> str:
 
 def measure(engine, ladder: list[int] = LADDER, repeats: int = 3) -> CostModel:
     """Median seconds of a target pass with n tokens spread over up to 16 short sequences.
-    Every row gets logits, as decode and verification rows do (the LM head is a large share)."""
+    Every row gets logits and the drafter's feature layers are captured, as in a real step (the
+    LM head is a large share), so the same forwards take CUDA graphs where the engine has them."""
     seqs = [Sequence(seq_id=-1 - i, request_id=f"profile-{i}", prompt_ids=[0] * 64,
                      params=SamplingParams(), generator=None, eos_ids=frozenset()) for i in range(16)]
     for s in seqs:
@@ -41,7 +43,7 @@ def measure(engine, ladder: list[int] = LADDER, repeats: int = 3) -> CostModel:
                 if engine.device.type == "cuda":
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                engine.runner.forward(items, list(range(n)))
+                engine.runner.forward(items, list(range(n)), capture=engine.spec.capture_layers)
                 if engine.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)

@@ -37,6 +37,9 @@ class SpecRunner:
     block_size = 0
     graphs = None  # the drafter's GraphPool, when the engine uses CUDA graphs
 
+    def calibrate(self) -> None:
+        """Called once the engine is built (after CUDA graphs): measure what the policy needs."""
+
     def graph_forward(self):
         """The drafter's block forward for CUDA graphs (None: this runner has no drafter model)."""
         return None

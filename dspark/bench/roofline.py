@@ -68,8 +68,8 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int
         raise ValueError(f"unknown shape {shape!r}: choose from {', '.join(SHAPES)}")
     cfg = LlamaConfig.from_hf(SHAPES[shape])
     with torch.device("meta"):
-        model = LlamaModel(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaModel(cfg).to(dtype)  # dtype first: an 8B model never exists in fp32
+    model = model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -227,3 +227,11 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
+    """A random tree over n new tokens (node 0 the root): each row sees itself and its ancestors."""
+    m = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        m[i] |= m[int(torch.randint(0, i, (1,), generator=g))]
+    return m

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spec_helpers import tree_mask
 
 from dspark.engine.attention import AttnBatch, TorchAttention
 from dspark.engine.flashinfer_backend import paged_layout
@@ -37,14 +38,6 @@ def layout_attention(q, k_cache, v_cache, lay, scale) -> torch.Tensor:
             allowed = torch.ones(n, kv, dtype=torch.bool)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", s.masked_fill(~allowed, float("-inf")).softmax(-1), v)
     return out
-
-
-def tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
-    """A random tree over n new tokens (node 0 the root): each row sees itself and its ancestors."""
-    m = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        m[i] |= m[int(torch.randint(0, i, (1,), generator=g))]
-    return m
 
 
 @pytest.mark.parametrize("mask", ["causal", "full", "custom", "decode"])

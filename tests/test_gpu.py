@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import alphabet_prompts, run_requests
-from test_flashinfer_layout import tree_mask
+from spec_helpers import alphabet_prompts, run_requests, tree_mask
 
 from dspark.config import EngineConfig, SamplingParams, SpecConfig
 from dspark.engine.attention import AttnBatch, TorchAttention

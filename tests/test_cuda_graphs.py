@@ -27,8 +27,8 @@ def test_pad_layout_and_fallbacks():
     pool = GraphPool(lambda ids, pos, attn: (ids,), lambda n: None, [2, 4], tokens=3, mask="causal",
                      scratch_pages=[9], page_size=4, device=torch.device("cpu"), capture=False)
     batch = AttnBatch(q_lens=[1, 3, 2], kv_lens=[5, 9, 3], page_tables=[[0, 1], [2, 3, 4], [5]], page_size=4)
-    ids, pos = torch.tensor([11, 21, 22, 23, 31, 32]), torch.tensor([4, 6, 7, 8, 1, 2])
-    padded, pids, ppos, rows = pool.pad(batch, ids, pos)
+    ids = torch.tensor([11, 21, 22, 23, 31, 32])  # at positions 4 | 6, 7, 8 | 1, 2
+    padded, pids, ppos, rows = pool.pad(batch, ids)
     assert padded.q_lens == [3, 3, 3, 3] and padded.kv_lens == [7, 9, 4, 3]
     assert padded.page_tables[3] == [9]  # the padding request lives on the scratch page
     assert pids.tolist() == [11, 0, 0, 21, 22, 23, 31, 32, 0, 0, 0, 0]
@@ -36,9 +36,9 @@ def test_pad_layout_and_fallbacks():
     assert rows.tolist() == [0, 3, 4, 5, 6, 7]
     # more requests than the ladder, a request longer than the pool's tokens, or no pages for
     # the padding: these run eagerly
-    assert pool.pad(AttnBatch([1] * 5, [1] * 5, [[0]] * 5, 4), torch.zeros(5), torch.zeros(5)) is None
-    assert pool.pad(AttnBatch([4], [4], [[0]], 4), torch.zeros(4), torch.zeros(4)) is None
-    assert pool.pad(AttnBatch([1], [4], [[0]], 4), torch.zeros(1), torch.tensor([3])) is None
+    assert pool.pad(AttnBatch([1] * 5, [1] * 5, [[0]] * 5, 4), torch.zeros(5)) is None
+    assert pool.pad(AttnBatch([4], [4], [[0]], 4), torch.zeros(4)) is None
+    assert pool.pad(AttnBatch([1], [4], [[0]], 4), torch.zeros(1)) is None
 
 
 @pytest.mark.parametrize("drafter,policy", [("dspark", "fixed"), ("dspark", "load-aware"), ("none", "fixed"),

@@ -99,10 +99,10 @@ class GraphPool:
             outputs = self.fn(ids, pos, attn)
         return graph, outputs
 
-    def pad(self, batch: AttnBatch, ids: torch.Tensor, pos: torch.Tensor):
+    def pad(self, batch: AttnBatch, ids: torch.Tensor):
         """(padded batch, padded ids, padded positions, real rows) or None if the batch does not fit.
-        Positions are the default ones (each new token right after its request's cached ones), which
-        is all the runner sends here; pos only lends its dtype."""
+        Positions follow from the batch (each new token right after its request's cached ones): the
+        runner sends no batch with positions of its own here."""
         R, q = len(batch.q_lens), self.tokens
         n = self.size_for(R)
         if n is None or batch.mask != self.mask:
@@ -128,13 +128,13 @@ class GraphPool:
             tables.append(list(self.scratch))
         dev = ids.device
         pad_ids = torch.cat([ids, ids.new_zeros(1)])[torch.tensor(src, device=dev)]
-        pad_pos = torch.tensor(positions, dtype=pos.dtype, device=dev)
+        pad_pos = torch.tensor(positions, dtype=torch.long, device=dev)
         padded = AttnBatch(q_lens=[q] * n, kv_lens=kv_lens, page_tables=tables, page_size=ps, mask=self.mask)
         return padded, pad_ids, pad_pos, torch.tensor(rows, dtype=torch.long, device=dev)
 
-    def run(self, batch: AttnBatch, ids: torch.Tensor, pos: torch.Tensor) -> tuple | None:
+    def run(self, batch: AttnBatch, ids: torch.Tensor) -> tuple | None:
         """The forward's outputs for the real rows of batch (None: run it eagerly instead)."""
-        padded = self.pad(batch, ids, pos)
+        padded = self.pad(batch, ids)
         if padded is None:
             return None
         pbatch, pids, ppos, rows = padded

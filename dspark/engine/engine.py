@@ -97,9 +97,8 @@ class Engine:
         sizes = sorted({1, 1 + self.spec.block_size})
         runner.graphs = {q: pool(target, q) for q in sizes}
         runner.graph_capture_layers = layers
-        drafter_fn = self.spec.graph_forward()
-        if drafter_fn is not None:
-            self.spec.graphs = pool(drafter_fn, self.spec.drafter.config.block_size, "full")
+        if self.spec.block_forward is not None:
+            self.spec.graphs = pool(self.spec.block_forward, self.spec.drafter.config.block_size, "full")
         if capture:
             for p in [*runner.graphs.values(), self.spec.graphs]:
                 if p is not None:

@@ -118,7 +118,6 @@ class FlashInferAttention:
     def plan(self, batch: AttnBatch) -> None:
         self.layout = paged_layout(batch)
         self.page_size = batch.page_size
-        self.num_tokens = sum(batch.q_lens)
         slots = torch.tensor(batch.slot_mapping(), dtype=torch.long)
         if self.static is None:
             self.slot_mapping = slots.to(self.device, non_blocking=True)
@@ -141,9 +140,7 @@ class FlashInferAttention:
             self._wrapper = self._decode
         else:
             mask = lay.custom_mask.to(self.device) if lay.custom_mask is not None else None
-            self._wrapper = self._masked if mask is not None else self._prefill
-            if self._wrapper is None:
-                raise ValueError("a static flashinfer backend serves causal or full blocks only")
+            self._wrapper = self._masked if mask is not None else self._prefill  # plan() refused masks if static
             self._wrapper.plan(lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.last_page_len, H, Hkv, D, ps,
                                custom_mask=mask, causal=lay.causal and mask is None, sm_scale=scale,
                                q_data_type=q_dtype, kv_data_type=kv_dtype)

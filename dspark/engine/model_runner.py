@@ -50,7 +50,7 @@ class ModelRunner:
         batch, ids, pos = self.batch_layout(items, mask, custom_masks)
         if positions is not None:
             pos = positions.to(self.device)
-        out = self._graph_forward(batch, ids, pos, capture, positions is not None)
+        out = self._graph_forward(batch, ids, capture, positions is not None)
         if out is None:
             self.attn.plan(batch)
             out = self.model(ids, pos, self.attn, self.kv, capture)
@@ -64,10 +64,10 @@ class ModelRunner:
             acc += n
         return ForwardResult(hidden, feats, logits, starts)
 
-    def _graph_forward(self, batch: AttnBatch, ids, pos, capture, custom_positions: bool):
+    def _graph_forward(self, batch: AttnBatch, ids, capture, custom_positions: bool):
         """(hidden, feats) from a graph pool when one fits this batch, else None."""
         if not self.graphs or custom_positions or tuple(capture) != self.graph_capture_layers:
             return None
         longest = max(batch.q_lens)
         q = next((n for n in sorted(self.graphs) if n >= longest), None)
-        return None if q is None else self.graphs[q].run(batch, ids, pos)
+        return None if q is None else self.graphs[q].run(batch, ids)

@@ -101,10 +101,10 @@ class NeuralSpecRunner(SpecRunner):
         B, nd, R = dc.block_size, dc.num_drafts, len(active)
         items = [(s, [s.output_ids[-1]] + [dc.mask_token_id] * (B - 1)) for s in active]
         batch, ids, pos = self.engine.runner.batch_layout(items, mask="full")
-        out = self.graphs.run(batch, ids, pos) if self.graphs is not None else None
+        out = self.graphs.run(batch, ids) if self.graphs is not None else None
         if out is None:
             self.attn.plan(batch)
-            out = self.graph_forward()(ids, pos, self.attn)
+            out = self.block_forward(ids, pos, self.attn)
         h = out[0].view(R, B, -1)
         h = self.drafter.draft_hidden(h)
         if self.cfg.tree:
@@ -151,11 +151,9 @@ class NeuralSpecRunner(SpecRunner):
                 self._q[s.seq_id] = torch.stack([p[r] for p in probs])
         return out
 
-    def graph_forward(self):
-        """The drafter's block forward as (ids, positions, attn) -> (final hidden,), for graph pools."""
-        def block(ids, pos, attn):
-            return (self.drafter.block_hidden(ids, pos, attn, self.kv),)
-        return block
+    def block_forward(self, ids: torch.Tensor, pos: torch.Tensor, attn) -> tuple[torch.Tensor]:
+        """The drafter's block forward -> (final hidden,): run eagerly, or captured by a GraphPool."""
+        return (self.drafter.block_hidden(ids, pos, attn, self.kv),)
 
     def _propose_trees(self, active: list[Sequence], base: torch.Tensor) -> dict[int, DraftTree]:
         """Top-k children per node through the Markov head, pruned to the node budget.

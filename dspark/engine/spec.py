@@ -40,9 +40,7 @@ class SpecRunner:
     def calibrate(self) -> None:
         """Called once the engine is built (after CUDA graphs): measure what the policy needs."""
 
-    def graph_forward(self):
-        """The drafter's block forward for CUDA graphs (None: this runner has no drafter model)."""
-        return None
+    block_forward = None  # the drafter model's block forward, for CUDA graphs (None: no drafter model)
 
     def max_tokens_for(self, seq: Sequence) -> int:
         """Cache slots beyond num_cached a step may write for seq."""

@@ -354,3 +354,32 @@ def test_reduced_vocab_training_cached_features_export(target, tmp_path):
     d1 = cached.drafter.eval()
     assert torch.allclose(full, d1.step_logits(d1.head(h), prev), atol=1e-5)
     assert torch.allclose(full[:, vocab], d1.step_logits(d1.draft_logits(h), prev), atol=1e-5)
+
+
+def test_trainer_disk_cache_equals_ram_and_skips_target(target, tmp_path, monkeypatch):
+    """The on-disk cache gives the RAM cache's losses, and a new trainer on the same folder never
+    runs the target for sequences a flushed cache holds."""
+    from dspark.train import trainer as trainer_mod
+
+    data = _toy_data(tmp_path)
+    cfg = dict(steps=3, batch_size=4, anchors_per_seq=6, lr=3e-3, warmup=1, save_every=0, log_every=1,
+               progress=False, export_dtype="fp32")
+    ram = trainer_mod.Trainer(target, _rv_drafter(target, data)[0], data,
+                              trainer_mod.TrainConfig(cache_features=True, **cfg), tmp_path / "a", pad_id=2)
+    disk = trainer_mod.Trainer(target, _rv_drafter(target, data)[0], data,
+                               trainer_mod.TrainConfig(feature_cache_dir=str(tmp_path / "fc"), **cfg),
+                               tmp_path / "b", pad_id=2)
+    with torch.no_grad():
+        for micro in range(3):  # 12 sequences, 4 a batch: every sequence is filled
+            assert float(disk.micro_loss(micro)[0]) == float(ram.micro_loss(micro)[0])
+    disk.save_checkpoint()
+
+    def no_target(*a, **kw):
+        raise AssertionError("the target ran although every sequence was cached")
+
+    monkeypatch.setattr(trainer_mod, "target_features", no_target)
+    again = trainer_mod.Trainer(target, _rv_drafter(target, data)[0], data,
+                                trainer_mod.TrainConfig(feature_cache_dir=str(tmp_path / "fc"), **cfg),
+                                tmp_path / "c", pad_id=2)
+    with torch.no_grad():
+        assert float(again.micro_loss(1)[0]) == float(ram.micro_loss(1)[0])

@@ -67,6 +67,9 @@ def add_train_parsers(sub) -> None:
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--cache-features", action="store_true",
                    help="keep target features in RAM after their first use (bf16, ~2*(m+1)*hidden bytes a token)")
+    o.add_argument("--feature-cache", default=None, metavar="DIR",
+                   help="cache target features in memory-mapped files under DIR instead of RAM: they survive "
+                        "restarts, so a resumed run skips the target for sequences it has seen")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval-drafter", help="tau per category, acceptance per position, confidence savings")
@@ -148,13 +151,19 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"device {device}, {dtype}", file=sys.stderr)
     if size > 25e6:
         print("warning: the exported checkpoint will exceed 25 MB", file=sys.stderr)
+    if args.cache_features or args.feature_cache:
+        from dspark.train.feature_cache import cache_bytes
+
+        where = f"on disk in {args.feature_cache}" if args.feature_cache else "in RAM"
+        gb = cache_bytes(data.num_tokens(), len(dc.target_layer_ids), target.config.hidden_size) / 1e9
+        print(f"feature cache: {gb:.2f} GB {where}, filled as sequences are first seen", file=sys.stderr)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
                       anchors_per_seq=args.anchors_per_seq, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
                       warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       gamma=args.gamma, dtype=dtype, device=device, seed=args.seed, save_every=args.save_every,
                       log_every=args.log_every, max_len=args.max_len, deadline=deadline,
                       export_dtype=args.export_dtype, progress=not args.no_progress,
-                      cache_features=args.cache_features)
+                      cache_features=args.cache_features, feature_cache_dir=args.feature_cache)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     tr = Trainer(target, drafter, data, cfg, out, pad_id=pad)
     if tr.load_checkpoint():

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from dspark.models.drafters.checkpoint import save_drafter
 from dspark.models.drafters.dspark import BlockDrafter, DrafterConfig
 from dspark.train.data import TokenDataset
+from dspark.train.feature_cache import FeatureCache
 from dspark.train.features import sample_anchors, target_features
 from dspark.train.loss import batch_loss
 
@@ -53,7 +54,8 @@ class TrainConfig:
     deadline: float | None = None  # absolute time.time() at which to stop (set by the CLI)
     export_dtype: str = "bf16"
     progress: bool = True
-    cache_features: bool = False  # keep each sequence's target features in RAM (bf16) after first use
+    cache_features: bool = False  # keep each sequence's target features (bf16) after first use
+    feature_cache_dir: str | None = None  # ... in memory-mapped files here (survives restarts) instead of RAM
     drafter: dict = field(default_factory=dict)
 
 
@@ -159,7 +161,10 @@ class Trainer:
         self.elapsed = 0.0
         self.history: list[dict] = []
         self.amp = DTYPES[cfg.dtype] == torch.bfloat16
-        self._features: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cache_features: idx -> (feats, final)
+        self.cache = None
+        if cfg.cache_features or cfg.feature_cache_dir:
+            self.cache = FeatureCache(data.seqs, drafter.config.target_layer_ids, target.config.hidden_size,
+                                      cfg.feature_cache_dir)
 
     # ------------------------------------------------------------------ schedule, batches
     def lr_at(self, step: int) -> float:
@@ -197,23 +202,22 @@ class Trainer:
 
     @torch.no_grad()
     def features(self, idx: list[int], b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(feats, final hidden, log-normalizers or None) of a padded batch. With cache_features each
-        sequence's are computed once and kept in RAM: bf16 features (2 * (m + 1) * hidden bytes a
-        token) and the float32 log-normalizer of the target's full-vocabulary softmax."""
+        """(feats, final hidden, log-normalizers or None) of a padded batch. With a feature cache each
+        sequence's are computed once: bf16 features and the fp32 log-normalizer of the target's
+        full-vocabulary softmax (feature_cache.py)."""
         layers = self.drafter.config.target_layer_ids
-        if not self.cfg.cache_features:
+        if self.cache is None:
             return (*target_features(self.target, b["ids"], layers), None)
-        todo = [r for r, i in enumerate(idx) if i not in self._features]
+        todo = [r for r, i in enumerate(idx) if not self.cache.has(i)]
         if todo:
             n = max(b["lens"][r] for r in todo)
             feats, final = target_features(self.target, b["ids"][todo, :n], layers)
             lse = torch.cat([torch.logsumexp(self.target.lm_head(x).float(), -1) for x in final.split(4)])
             for j, r in enumerate(todo):
                 L = b["lens"][r]
-                self._features[idx[r]] = (feats[j, :L].to("cpu", torch.bfloat16),
-                                          final[j, :L].to("cpu", torch.bfloat16), lse[j, :L].float().cpu())
+                self.cache.put(idx[r], feats[j, :L], final[j, :L], lse[j, :L])
         T = b["ids"].shape[1]
-        cached = [self._features[i] for i in idx]
+        cached = [self.cache.get(i) for i in idx]
         out = []
         for part, dt in zip(range(3), (torch.bfloat16, torch.bfloat16, torch.float32)):
             x = torch.zeros(len(idx), T, *cached[0][part].shape[1:], dtype=dt)
@@ -244,6 +248,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
+        if self.cache is not None:
+            self.cache.flush()
         ck = self.out / "ckpt"
         tmp = self.out / "ckpt.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""Target features of the training sequences, computed once and kept in RAM or on disk.
+
+For each token: the residual stream at the drafter's target layers and the target's final
+normed hidden state (bf16), and the log-normalizer of the target's full-vocabulary softmax
+(fp32): (m + 1) * hidden * 2 + 4 bytes. The frozen target's forward is the dominant cost of a
+training step on CPU, so a run that sees every sequence several times computes each once.
+
+On disk (`folder`) the arrays are memory-mapped files plus `index.json` and `done.npy`
+(which sequences are filled). They survive restarts, so a resumed run or the next session
+skips the target entirely for sequences already seen. Sequences are identified by a CRC of
+their token ids: when the data grows (new shards are appended), the filled prefix stays
+valid; a sequence whose tokens changed is recomputed. Different layers or a different
+hidden size start the cache over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_PARTS = ("feats", "final", "lse")
+
+
+def cache_bytes(num_tokens: int, num_layers: int, hidden: int) -> int:
+    """Bytes the cache takes for num_tokens tokens."""
+    return num_tokens * ((num_layers + 1) * hidden * 2 + 4)
+
+
+class FeatureCache:
+    """Per-sequence target features, lazily filled; RAM (zero pages until written) or files."""
+
+    def __init__(self, seqs: list[np.ndarray], layer_ids: list[int], hidden: int, folder: str | Path | None = None):
+        self.layer_ids, self.hidden = list(layer_ids), hidden
+        lens = np.asarray([len(s) for s in seqs], dtype=np.int64)
+        self.off = np.concatenate([[0], np.cumsum(lens)])
+        self.crc = np.asarray([zlib.crc32(np.ascontiguousarray(s).tobytes()) for s in seqs], dtype=np.int64)
+        n = int(self.off[-1])
+        widths = {"feats": len(layer_ids) * hidden, "final": hidden, "lse": 1}
+        dtypes = {"feats": np.int16, "final": np.int16, "lse": np.float32}  # int16 holds bf16 bits
+        self.folder = Path(folder) if folder else None
+        self.done = np.zeros(len(seqs), dtype=bool)
+        if self.folder is None:
+            self.arrays = {k: np.zeros((n, widths[k]), dtypes[k]) for k in _PARTS}
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if (self.folder / "done.npy").exists():
+            old = np.load(self.folder / "done.npy")
+            keep = min(self._reusable_prefix(), len(old))
+            self.done[:keep] = old[:keep]
+        self.arrays = {}
+        for k in _PARTS:
+            path = self.folder / f"{k}.bin"
+            size = n * widths[k] * np.dtype(dtypes[k]).itemsize
+            with open(path, "ab") as f:  # grow (or create) the file; the filled prefix is untouched
+                if f.tell() != size:
+                    f.truncate(size)
+            self.arrays[k] = np.memmap(path, dtype=dtypes[k], mode="r+", shape=(n, widths[k]))
+        self._save_done()  # forget invalidated sequences before the index describes the new data
+        self._write_index()
+
+    def _reusable_prefix(self) -> int:
+        """How many leading sequences of an existing cache folder still hold valid features."""
+        try:
+            idx = json.loads((self.folder / "index.json").read_text())
+        except (OSError, ValueError):
+            return 0
+        if idx.get("layer_ids") != self.layer_ids or idx.get("hidden") != self.hidden:
+            return 0
+        old_off, old_crc = np.asarray(idx["offsets"]), np.asarray(idx["crc"])
+        m = min(len(old_crc), len(self.crc))
+        same = (old_crc[:m] == self.crc[:m]) & (old_off[1:m + 1] == self.off[1:m + 1])
+        return int(m if same.all() else np.argmin(same))
+
+    def _write_index(self) -> None:
+        idx = {"layer_ids": self.layer_ids, "hidden": self.hidden, "offsets": self.off.tolist(),
+               "crc": self.crc.tolist()}
+        tmp = self.folder / "index.json.tmp"
+        tmp.write_text(json.dumps(idx))
+        os.replace(tmp, self.folder / "index.json")
+
+    @property
+    def nbytes(self) -> int:
+        return cache_bytes(int(self.off[-1]), len(self.layer_ids), self.hidden)
+
+    def has(self, i: int) -> bool:
+        return bool(self.done[i])
+
+    def put(self, i: int, feats: torch.Tensor, final: torch.Tensor, lse: torch.Tensor) -> None:
+        """Store sequence i's [L, m*H] features, [L, H] final hidden and [L] log-normalizers."""
+        lo, hi = self.off[i], self.off[i + 1]
+        for k, x in zip(_PARTS, (feats, final, lse)):
+            x = x.detach().to("cpu", torch.bfloat16 if k != "lse" else torch.float32).reshape(hi - lo, -1)
+            self.arrays[k][lo:hi] = (x.view(torch.int16) if k != "lse" else x).numpy()
+        self.done[i] = True
+
+    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(feats bf16 [L, m*H], final bf16 [L, H], lse fp32 [L]) of sequence i (copies)."""
+        lo, hi = self.off[i], self.off[i + 1]
+        feats, final, lse = (torch.from_numpy(np.array(self.arrays[k][lo:hi])) for k in _PARTS)
+        return feats.view(torch.bfloat16), final.view(torch.bfloat16), lse[:, 0]
+
+    def flush(self) -> None:
+        """Make the filled sequences durable (call before checkpoints); a no-op in RAM."""
+        if self.folder is None:
+            return
+        for a in self.arrays.values():
+            a.flush()
+        self._save_done()
+
+    def _save_done(self) -> None:
+        tmp = self.folder / "done.tmp.npy"
+        np.save(tmp, self.done)
+        os.replace(tmp, self.folder / "done.npy")

@@ -1,0 +1,61 @@
+"""The on-disk feature cache: same features as computing them, reused across restarts and as
+the data grows, recomputed where the tokens or the layers changed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.train.feature_cache import FeatureCache, cache_bytes
+
+
+def _seqs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 500, int(rng.integers(5, 12))).astype(np.int32) for _ in range(n)]
+
+
+def _fill(cache, seqs, m=2, H=4):
+    for i, s in enumerate(seqs):
+        L = len(s)
+        base = torch.from_numpy(s.astype(np.float32))[:, None]
+        cache.put(i, base.expand(L, m * H) + 0.5, base.expand(L, H) - 0.25, base[:, 0] * 1.5)
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_roundtrip_bf16_bits(tmp_path, on_disk):
+    seqs = _seqs(5)
+    c = FeatureCache(seqs, [0, 1], 4, tmp_path / "fc" if on_disk else None)
+    assert c.nbytes == cache_bytes(sum(map(len, seqs)), 2, 4) == sum(map(len, seqs)) * (3 * 4 * 2 + 4)
+    _fill(c, seqs)
+    for i, s in enumerate(seqs):
+        f, h, lse = c.get(i)
+        ref = torch.from_numpy(s.astype(np.float32))
+        assert f.dtype == h.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        assert torch.equal(f, (ref[:, None] + 0.5).expand(len(s), 8).bfloat16())
+        assert torch.equal(h, (ref[:, None] - 0.25).expand(len(s), 4).bfloat16())
+        assert torch.equal(lse, ref * 1.5)
+
+
+def test_disk_cache_survives_restart_and_growth(tmp_path):
+    seqs = _seqs(6)
+    c = FeatureCache(seqs, [0, 1], 4, tmp_path)
+    _fill(c, seqs[:4])
+    c.flush()
+    grown = seqs + _seqs(3, seed=1)  # new shards append sequences
+    c2 = FeatureCache(grown, [0, 1], 4, tmp_path)
+    assert [c2.has(i) for i in range(len(grown))] == [True] * 4 + [False] * 5
+    assert torch.equal(c2.get(3)[2], torch.from_numpy(seqs[3].astype(np.float32)) * 1.5)
+    changed = list(grown)
+    changed[2] = changed[2].copy()
+    changed[2][0] += 1  # different tokens from sequence 2 on: recomputed
+    assert [FeatureCache(changed, [0, 1], 4, tmp_path).has(i) for i in range(4)] == [True, True, False, False]
+    assert not FeatureCache(changed, [0, 1], 4, tmp_path).has(2)  # still stale when opened again
+    assert not FeatureCache(grown, [0, 2], 4, tmp_path).has(0)  # other target layers: start over
+
+
+def test_unflushed_sequences_are_not_trusted(tmp_path):
+    seqs = _seqs(3)
+    c = FeatureCache(seqs, [0], 4, tmp_path)
+    _fill(c, seqs, m=1)
+    assert not FeatureCache(seqs, [0], 4, tmp_path).has(0)  # done.npy never written

@@ -67,6 +67,8 @@ def add_train_parsers(sub) -> None:
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--cache-features", action="store_true",
                    help="keep target features in RAM after their first use (bf16, ~2*(m+1)*hidden bytes a token)")
+    o.add_argument("--compile-loss", action="store_true",
+                   help="torch.compile the loss (needs a C++ compiler on CPU; ~25 s once, then ~2x faster loss)")
     o.add_argument("--feature-cache", default=None, metavar="DIR",
                    help="cache target features in memory-mapped files under DIR instead of RAM: they survive "
                         "restarts, so a resumed run skips the target for sequences it has seen")
@@ -163,7 +165,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       gamma=args.gamma, dtype=dtype, device=device, seed=args.seed, save_every=args.save_every,
                       log_every=args.log_every, max_len=args.max_len, deadline=deadline,
                       export_dtype=args.export_dtype, progress=not args.no_progress,
-                      cache_features=args.cache_features, feature_cache_dir=args.feature_cache)
+                      cache_features=args.cache_features, feature_cache_dir=args.feature_cache,
+                      compile_loss=args.compile_loss)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     tr = Trainer(target, drafter, data, cfg, out, pad_id=pad)
     if tr.load_checkpoint():

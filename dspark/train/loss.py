@@ -41,7 +41,7 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
     """Loss over N supervised slots: draft logits [N, Vd] and target logits [N, V] (float32),
     labels [N] (target ids), conf_logits [N] or None, slot [N] (block position k of each row).
 
-    With a reduced draft vocabulary (draft_to_target [Vd], target ids) p_d is 0 outside it, so
+    With a reduced draft vocabulary (draft_to_target [Vd], ascending target ids) p_d is 0 outside it, so
     the L1 distance gains the target mass there, and a label outside it adds no CE term. Given
     target_lse [N] (the target's log-normalizer over the full vocabulary), target_logits are
     already restricted to the draft vocabulary [N, Vd]: the full-vocabulary head is then never run.
@@ -58,10 +58,10 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
         else:
             p_t = torch.exp(target_logits.float() - target_lse.float()[:, None])
         outside = (1.0 - p_t.sum(-1)).clamp(min=0.0)
-        t2d = torch.full((max(int(labels.max()), int(draft_to_target.max())) + 1,), -100, dtype=torch.long,
-                         device=labels.device)
-        t2d[draft_to_target] = torch.arange(draft_to_target.numel(), device=labels.device)
-        labels = t2d[labels]
+        # draft_to_target is ascending (frequent_tokens): a label's draft id by binary search, -100
+        # (no CE term) when it lies outside; no data-dependent shapes, so torch.compile keeps one graph
+        at = torch.searchsorted(draft_to_target, labels).clamp(max=draft_to_target.numel() - 1)
+        labels = torch.where(draft_to_target[at] == labels, at, torch.full_like(at, -100))
     ce = F.cross_entropy(draft_logits.float(), labels, reduction="none", ignore_index=-100)
     l1 = (p_d - p_t).abs().sum(-1) + outside
     cstar = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
@@ -81,11 +81,11 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
 def batch_loss(drafter, target_lm_head, feats: torch.Tensor, final_hidden: torch.Tensor,
                tokens: torch.Tensor, lengths: torch.Tensor, resp_mask: torch.Tensor,
                anchors: torch.Tensor, anchor_ok: torch.Tensor, gamma: float = 4.0,
-               final_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+               final_lse: torch.Tensor | None = None, loss_fn=dspark_loss) -> tuple[torch.Tensor, dict]:
     """Full DSpark loss for a batch: one multi-anchor drafter forward, LM heads only on the
     supervised slots. feats/final_hidden come from features.target_features (no grad);
     final_lse [B, T] (the target's log-normalizers) lets a reduced-vocabulary drafter skip the
-    target's full LM head."""
+    target's full LM head. loss_fn: dspark_loss or a torch.compile'd version of it."""
     c = drafter.config
     Bk = c.block_size
     h = drafter_blocks(drafter, feats, tokens, anchors)  # [B, A, Bk, H]
@@ -108,8 +108,7 @@ def batch_loss(drafter, target_lm_head, feats: torch.Tensor, final_hidden: torch
             t_logits = target_lm_head(final_hidden[b_idx, pos]).float()
     d_logits = drafter.step_logits(drafter.draft_logits(hs), prev)
     conf = drafter.confidence(hs, prev)
-    total, parts = dspark_loss(d_logits, t_logits, labels, conf, k_idx, gamma, draft_to_target=d2t,
-                               target_lse=lse)
+    total, parts = loss_fn(d_logits, t_logits, labels, conf, k_idx, gamma, draft_to_target=d2t, target_lse=lse)
     parts["slots"] = int(b_idx.numel())
     return total, parts
 

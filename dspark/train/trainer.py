@@ -27,7 +27,7 @@ from dspark.models.drafters.dspark import BlockDrafter, DrafterConfig
 from dspark.train.data import TokenDataset
 from dspark.train.feature_cache import FeatureCache
 from dspark.train.features import sample_anchors, target_features
-from dspark.train.loss import batch_loss
+from dspark.train.loss import batch_loss, dspark_loss
 
 SMOL_MASK_TOKEN = "<empty_output>"  # id 16 in SmolLM2: a Jupyter-dataset marker chat never emits
 
@@ -55,6 +55,7 @@ class TrainConfig:
     export_dtype: str = "bf16"
     progress: bool = True
     cache_features: bool = False  # keep each sequence's target features (bf16) after first use
+    compile_loss: bool = False  # torch.compile the loss: one fused pass over [slots, vocab] (~2x on CPU)
     feature_cache_dir: str | None = None  # ... in memory-mapped files here (survives restarts) instead of RAM
     drafter: dict = field(default_factory=dict)
 
@@ -161,6 +162,8 @@ class Trainer:
         self.elapsed = 0.0
         self.history: list[dict] = []
         self.amp = DTYPES[cfg.dtype] == torch.bfloat16
+        # dynamic: the number of supervised slots changes every step
+        self.loss_fn = torch.compile(dspark_loss, dynamic=True) if cfg.compile_loss else dspark_loss
         self.cache = None
         if cfg.cache_features or cfg.feature_cache_dir:
             self.cache = FeatureCache(data.seqs, drafter.config.target_layer_ids, target.config.hidden_size,
@@ -198,7 +201,7 @@ class Trainer:
         with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.amp):
             feats, final, lse = self.features(idx, b)
             return batch_loss(self.drafter, self.target.lm_head, feats, final, b["ids"], b["lengths"],
-                              b["resp"], anchors, ok, gamma=c.gamma, final_lse=lse)
+                              b["resp"], anchors, ok, gamma=c.gamma, final_lse=lse, loss_fn=self.loss_fn)
 
     @torch.no_grad()
     def features(self, idx: list[int], b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -12,6 +12,7 @@ from spec_helpers import alphabet_prompts, make_engine, run_requests
 
 from dspark.config import SamplingParams
 from dspark.engine.policy import CostModel, LoadAwarePolicy, ThresholdPolicy, make_policy
+from dspark.engine.tree import DraftTree, build_trees
 
 FLAT = CostModel([1, 256], [1.0, 1.0])  # a pass costs the same whatever it holds: verify everything
 STEEP = CostModel([1, 2, 256], [1.0, 2.0, 256.0])  # each extra token costs a whole pass
@@ -38,6 +39,37 @@ def test_load_aware_by_hand():
     assert policy.last_gain < 1
 
 
+def test_load_aware_tree_nodes_by_hand():
+    # nodes in descending survival per tree, as DraftTree.ranked() gives them
+    survival = [[0.9, 0.81, 0.3], [0.5, 0.2]]
+    assert LoadAwarePolicy(FLAT).choose_nodes(survival) == [3, 2]
+    assert LoadAwarePolicy(STEEP).choose_nodes(survival) == [0, 0]
+    mid = CostModel([2, 3, 4, 5, 6], [1.0, 1.2, 1.4, 1.9, 2.4])
+    assert LoadAwarePolicy(mid).choose_nodes(survival) == [2, 0]  # same numbers as the chain case
+    assert ThresholdPolicy(0.5).choose_nodes(survival) == [3, 2]  # thresholds shape chains only
+
+
+def test_tree_top_is_a_subtree():
+    """Every prefix of a tree's ranking is ancestor-closed, and top(n) renumbers it breadth-first."""
+    # anchor -> 1 (.6) -> 3 (.5) -> 5 (.1); anchor -> 2 (.3) -> 4 (.2)
+    t = DraftTree(tokens=[10, 20, 30, 40, 50], parents=[0, 0, 1, 2, 3], depths=[1, 1, 2, 2, 3],
+                  scores=[0.6, 0.3, 0.5, 0.2, 0.1])
+    assert t.ranked() == [0, 2, 1, 3, 4]
+    sub = t.top(3)
+    assert (sub.tokens, sub.parents, sub.depths) == ([10, 20, 30], [0, 0, 1], [1, 1, 2])
+    sub = t.top(2)
+    assert (sub.tokens, sub.parents, sub.depths) == ([10, 30], [0, 1], [1, 2])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):  # random drafted trees: every prefix keeps each node's parent
+        base = torch.randn(1, 4, 30, generator=g) * 3
+        tree = build_trees(base, torch.tensor([5]), None, [12], [4], topk=3)[0]
+        for n in range(len(tree) + 1):
+            sub = tree.top(n)
+            assert len(sub) == n and all(p < i for i, p in enumerate(sub.parents, start=1))
+            assert all(sub.depths[i - 1] == (sub.depths[p - 1] + 1 if p else 1) for i, p in enumerate(sub.parents, 1))
+            assert sorted(sub.scores) == sorted(tree.scores[i] for i in tree.ranked()[:n])
+
+
 def test_threshold_and_make_policy():
     conf = torch.tensor([[0.9, 0.4, 0.9], [0.2, 0.9, 0.9]])
     assert ThresholdPolicy(0.5).choose([3, 3], conf) == [1, 1]  # at least one token
@@ -59,6 +91,26 @@ def test_engine_load_aware_verifies_less_same_output(folders, single_thread, dra
     outs, stats = {}, {}
     for policy in ("fixed", "load-aware"):
         engine = make_engine(folders["target"], folders[drafter], policy=policy)
+        outs[policy] = run_requests(engine, [(p, dataclasses.replace(sp), None) for p in prompts])
+        stats[policy] = engine.spec_stats
+    plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
+    for a, b, c in zip(outs["fixed"], outs["load-aware"], plain):
+        assert a.token_ids == b.token_ids == c.token_ids
+    assert stats["load-aware"].verified < stats["fixed"].verified, (stats["fixed"].as_dict(),
+                                                                   stats["load-aware"].as_dict())
+    assert stats["load-aware"].accepted > 0
+
+
+def test_engine_load_aware_trees_verify_less_same_output(folders, single_thread, monkeypatch):
+    """Trees under load-aware verification: fewer nodes verified than the fixed budget when each
+    token costs something, and the same greedy tokens as plain decoding."""
+    sloped = CostModel([1, 64], [1.0, 4.15])
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: sloped)
+    prompts = alphabet_prompts([15, 20, 24, 31], seed=7)
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
+    outs, stats = {}, {}
+    for policy in ("fixed", "load-aware"):
+        engine = make_engine(folders["target"], folders["dspark"], policy=policy, tree=True, tree_budget=12)
         outs[policy] = run_requests(engine, [(p, dataclasses.replace(sp), None) for p in prompts])
         stats[policy] = engine.spec_stats
     plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])

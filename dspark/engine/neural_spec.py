@@ -108,7 +108,9 @@ class NeuralSpecRunner(SpecRunner):
         h = out[0].view(R, B, -1)
         h = self.drafter.draft_hidden(h)
         if self.cfg.tree:
-            return self._propose_trees(active, self.drafter.head(h))
+            trees = self._propose_trees(active, self.drafter.head(h), other_tokens, self.estimated_draft_seconds(R))
+            self._record_pass(R, time.perf_counter() - t0)
+            return trees
         greedy = all(s.params.greedy for s in active)
         # Greedy drafts are one-hot, so they walk the (reduced) draft vocabulary and map the picks
         # back, skipping a [R, V] scatter per slot; sampled drafts need q over the target's.
@@ -155,17 +157,23 @@ class NeuralSpecRunner(SpecRunner):
         """The drafter's block forward -> (final hidden,): run eagerly, or captured by a GraphPool."""
         return (self.drafter.block_hidden(ids, pos, attn, self.kv),)
 
-    def _propose_trees(self, active: list[Sequence], base: torch.Tensor) -> dict[int, DraftTree]:
-        """Top-k children per node through the Markov head, pruned to the node budget.
+    def _propose_trees(self, active: list[Sequence], base: torch.Tensor, other_tokens: int,
+                       draft_seconds: float) -> dict[int, DraftTree | list[int]]:
+        """Top-k children per node through the Markov head, pruned to the node budget, then to
+        what the policy admits (load-aware: by joint draft probability, like a chain's survival).
         Children are tried as one-hot proposals, so no q is kept."""
         anchors = torch.tensor([s.output_ids[-1] for s in active], device=base.device)
         depth = [self.draft_budget(s) for s in active]
         markov = self.drafter.markov_bias if self.drafter.markov_head is not None else None
         trees = build_trees(base[:, :max(depth)], anchors, markov, [self.cfg.tree_budget] * len(active),
                             depth, self.cfg.tree_topk)
-        for s in active:
+        sizes = self.policy.choose_nodes([[t.scores[i] for i in t.ranked()] for t in trees], other_tokens,
+                                         draft_seconds)
+        out: dict[int, DraftTree | list[int]] = {}
+        for s, t, n in zip(active, trees, sizes):
             self._proposed[s.seq_id] = self.cfg.tree_budget
-        return {s.seq_id: t for s, t in zip(active, trees)}
+            out[s.seq_id] = t.top(n) if n else []  # no node admitted: verify the anchor alone
+        return out
 
     def _acceptance_prior(self, R: int, nd: int) -> torch.Tensor:
         """Without a confidence head, each position's running acceptance rate stands in."""

@@ -11,6 +11,8 @@ load-aware  DSpark's confidence-scheduled verification (paper Algorithm 1): admi
             only on draft-time information, so the output distribution stays the target's.
             `last_gain` says how the best choice compares with not drafting at all, which
             the spec runner uses to stop drafting while speculation cannot pay.
+            Trees go through the same admission: their nodes are candidates, in descending
+            joint draft probability (an order in which a parent comes before its children).
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ class Policy:
         """Draft tokens to verify per request; other_tokens (prefill) ride in the same pass."""
         return list(budgets)
 
+    def choose_nodes(self, survival: list[list[float]], other_tokens: int = 0,
+                     draft_seconds: float = 0.0) -> list[int]:
+        """How many nodes of each request's tree to verify. survival[r] holds tree r's node
+        survival estimates in descending order, parents before children; the answer keeps a
+        prefix of it. Fixed and threshold verify the whole tree."""
+        return [len(row) for row in survival]
+
 
 class ThresholdPolicy(Policy):
     """Cut each block at the first confidence below the threshold (at least one token)."""
@@ -78,12 +87,21 @@ class LoadAwarePolicy(Policy):
         self.last_gain: float | None = None  # best throughput over plain decoding's, last call
 
     def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0):
-        R = len(budgets)
         self.last_gain = None
-        if conf is None or R == 0:
+        if conf is None or not budgets:
             return list(budgets)
         survival = conf.float().cumprod(-1).tolist()
-        cands = sorted(((survival[r][j], r, j) for r in range(R) for j in range(budgets[r])),
+        return self._admit([row[:b] for row, b in zip(survival, budgets)], other_tokens, draft_seconds)
+
+    def choose_nodes(self, survival, other_tokens=0, draft_seconds=0.0):
+        self.last_gain = None
+        return self._admit(survival, other_tokens, draft_seconds) if survival else []
+
+    def _admit(self, survival: list[list[float]], other_tokens: int, draft_seconds: float) -> list[int]:
+        """Prefix lengths per request: candidates (r, j) in descending survival[r][j] while
+        tau(B) / (SPS(B) time + drafter time) improves."""
+        R = len(survival)
+        cands = sorted(((a, r, j) for r, row in enumerate(survival) for j, a in enumerate(row)),
                        key=lambda t: (-t[0], t[2]))
         lengths = [0] * R
         tokens = R + other_tokens  # every request verifies its anchor; prefill rides along

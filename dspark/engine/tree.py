@@ -14,6 +14,7 @@ the residual; at a leaf the bonus comes from the target's distribution there.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,13 @@ from dspark.engine.sampling import sample
 
 @dataclass
 class DraftTree:
-    """One request's tree, excluding the anchor: tokens, parents (0 = anchor) and depths (1 = child of anchor)."""
+    """One request's tree, excluding the anchor: tokens, parents (0 = anchor), depths (1 = child of
+    anchor) and, for drafted trees, each node's joint draft probability (its path's)."""
 
     tokens: list[int]
     parents: list[int]
     depths: list[int]
+    scores: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -40,6 +43,18 @@ class DraftTree:
         for i, par in enumerate(self.parents, start=1):
             m[i] |= m[par]
         return m
+
+    def ranked(self) -> list[int]:
+        """Node indices (0-based) by descending score, shallower first on ties: every prefix of
+        this order is a subtree, since a child is never likelier than its parent."""
+        return sorted(range(len(self)), key=lambda i: (-self.scores[i], self.depths[i]))
+
+    def top(self, n: int) -> DraftTree:
+        """The subtree of the n best-scored nodes, renumbered breadth-first."""
+        keep = sorted(self.ranked()[:n], key=lambda i: (self.depths[i], -self.scores[i]))
+        index = {old + 1: new + 1 for new, old in enumerate(keep)}
+        return DraftTree(tokens=[self.tokens[i] for i in keep], parents=[index.get(self.parents[i], 0) for i in keep],
+                         depths=[self.depths[i] for i in keep], scores=[self.scores[i] for i in keep])
 
 
 def build_trees(base: torch.Tensor, anchors: torch.Tensor, markov, budget: list[int], max_depth: list[int],
@@ -82,13 +97,12 @@ def build_trees(base: torch.Tensor, anchors: torch.Tensor, markov, budget: list[
     depths = [d for d, t in zip(all_depth, all_tok) for _ in range(t.shape[1])]
     trees = []
     for r in range(R):
-        ok = [i for i in range(count) if depths[i] <= max_depth[r]]
-        order = sorted(ok, key=lambda i: (-lps[r][i], depths[i]))[:budget[r]]
-        chosen = sorted(order, key=lambda i: (depths[i], -lps[r][i]))
-        index = {old: new + 1 for new, old in enumerate(chosen)}
-        trees.append(DraftTree(tokens=[toks[r][i] for i in chosen],
-                               parents=[index.get(pars[r][i], 0) if pars[r][i] >= 0 else 0 for i in chosen],
-                               depths=[depths[i] for i in chosen]))
+        ok = [i for i in range(count) if depths[i] <= max_depth[r]]  # breadth-first: parents first
+        index = {old: new + 1 for new, old in enumerate(ok)}
+        full = DraftTree(tokens=[toks[r][i] for i in ok],
+                         parents=[index[pars[r][i]] if pars[r][i] >= 0 else 0 for i in ok],
+                         depths=[depths[i] for i in ok], scores=[math.exp(lps[r][i]) for i in ok])
+        trees.append(full.top(budget[r]))
     return trees
 
 

@@ -39,23 +39,54 @@ def test_roundtrip_bf16_bits(tmp_path, on_disk):
 
 def test_disk_cache_survives_restart_and_growth(tmp_path):
     seqs = _seqs(6)
-    c = FeatureCache(seqs, [0, 1], 4, tmp_path)
+    c = FeatureCache(seqs, [0, 1], 4, tmp_path, key="m1")
     _fill(c, seqs[:4])
-    c.flush()
+    c.close()
     grown = seqs + _seqs(3, seed=1)  # new shards append sequences
-    c2 = FeatureCache(grown, [0, 1], 4, tmp_path)
+    c2 = FeatureCache(grown, [0, 1], 4, tmp_path, key="m1")
     assert [c2.has(i) for i in range(len(grown))] == [True] * 4 + [False] * 5
     assert torch.equal(c2.get(3)[2], torch.from_numpy(seqs[3].astype(np.float32)) * 1.5)
+    c2.close()
     changed = list(grown)
     changed[2] = changed[2].copy()
     changed[2][0] += 1  # different tokens from sequence 2 on: recomputed
-    assert [FeatureCache(changed, [0, 1], 4, tmp_path).has(i) for i in range(4)] == [True, True, False, False]
-    assert not FeatureCache(changed, [0, 1], 4, tmp_path).has(2)  # still stale when opened again
-    assert not FeatureCache(grown, [0, 2], 4, tmp_path).has(0)  # other target layers: start over
+    c3 = FeatureCache(changed, [0, 1], 4, tmp_path, key="m1")
+    assert [c3.has(i) for i in range(4)] == [True, True, False, False]
+    c3.close()
+    c4 = FeatureCache(changed, [0, 1], 4, tmp_path, key="m1")
+    assert [c4.has(i) for i in range(4)] == [True, True, False, False]  # still stale when opened again
+    c4.close()
+    for layers, key in (([0, 2], "m1"), ([0, 1], "m2")):  # other target layers or model: start over
+        c5 = FeatureCache(changed, layers, 4, tmp_path, key=key)
+        assert not c5.has(0)
+        c5.close()
+
+
+def test_shrunk_then_restored_data_serves_no_zeros(tmp_path):
+    """Opening with fewer sequences truncates the files; reopening with the original data must
+    not trust the old `done` flags for the dropped tail."""
+    seqs = _seqs(6)
+    c = FeatureCache(seqs, [0], 4, tmp_path)
+    _fill(c, seqs, m=1)
+    c.close()
+    FeatureCache(seqs[:3], [0], 4, tmp_path).close()
+    c = FeatureCache(seqs, [0], 4, tmp_path)
+    assert [c.has(i) for i in range(6)] == [True] * 3 + [False] * 3
+    assert torch.equal(c.get(2)[2], torch.from_numpy(seqs[2].astype(np.float32)) * 1.5)
+
+
+def test_folder_is_locked(tmp_path):
+    seqs = _seqs(2)
+    c = FeatureCache(seqs, [0], 4, tmp_path)
+    with pytest.raises(RuntimeError, match="in use"):
+        FeatureCache(seqs, [0], 4, tmp_path)
+    c.close()
+    FeatureCache(seqs, [0], 4, tmp_path).close()
 
 
 def test_unflushed_sequences_are_not_trusted(tmp_path):
     seqs = _seqs(3)
     c = FeatureCache(seqs, [0], 4, tmp_path)
     _fill(c, seqs, m=1)
-    assert not FeatureCache(seqs, [0], 4, tmp_path).has(0)  # done.npy never written
+    c._lock.close()  # a crash: no flush
+    assert not FeatureCache(seqs, [0], 4, tmp_path).has(0)  # done.npy never says so

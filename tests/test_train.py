@@ -16,9 +16,10 @@ from safetensors.numpy import save_file
 
 from dspark.models.drafters.checkpoint import load_drafter
 from dspark.train.data import GenSettings, TokenDataset, generate_dataset, read_prompts
+from dspark.train.drafter_init import default_layer_ids, frequent_tokens, load_target, make_drafter_config, new_drafter
 from dspark.train.features import block_mask, drafter_blocks, sample_anchors, target_features, valid_slots
 from dspark.train.loss import batch_loss, decay_weights, dspark_loss, target_c_star
-from dspark.train.trainer import TrainConfig, Trainer, default_layer_ids, load_target, make_drafter_config, new_drafter
+from dspark.train.trainer import TrainConfig, Trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -301,21 +302,27 @@ def test_reduced_vocab_loss_by_hand():
     _, parts2 = dspark_loss(d, t[:, d2t], labels, None, slot, draft_to_target=d2t, target_lse=lse)
     for k in ("ce", "l1", "cstar"):
         assert parts2[k].item() == pytest.approx(parts[k].item(), abs=1e-6)
+    _, parts3 = dspark_loss(d, t, torch.tensor([2, 7]), None, slot, draft_to_target=d2t)  # 7: above every id
+    assert parts3["ce"].item() == pytest.approx(parts["ce"].item(), abs=1e-6)
 
 
 def _rv_drafter(target, data, n=64, seed=0):
-    from dspark.train.trainer import frequent_tokens
-
     vocab = frequent_tokens(data, n, target.config.vocab_size)
     dc = make_drafter_config(target.config, num_layers=1, block_size=4, markov_rank=8, layer_ids=[0, 1, 2],
                              mask_token_id=16, draft_vocab_size=n)
     return new_drafter(dc, target, seed, vocab), vocab
 
 
+def test_unsorted_draft_vocabulary_is_refused(target, tmp_path):
+    data = _toy_data(tmp_path)
+    d, vocab = _rv_drafter(target, data)
+    d.draft_to_target.copy_(vocab.flip(0))
+    with pytest.raises(ValueError, match="ascending"):
+        Trainer(target, d, data, TrainConfig(progress=False), tmp_path / "run", pad_id=2)
+
+
 def test_frequent_tokens_cover_the_responses(target, tmp_path):
     data = _toy_data(tmp_path)
-    from dspark.train.trainer import frequent_tokens
-
     vocab = frequent_tokens(data, 300, target.config.vocab_size)
     resp = set(np.concatenate([s[p:] for s, p in zip(data.seqs, data.prompt_lens)]).tolist())
     assert resp <= set(vocab.tolist()) and vocab.tolist() == sorted(vocab.tolist())
@@ -373,6 +380,7 @@ def test_trainer_disk_cache_equals_ram_and_skips_target(target, tmp_path, monkey
         for micro in range(3):  # 12 sequences, 4 a batch: every sequence is filled
             assert float(disk.micro_loss(micro)[0]) == float(ram.micro_loss(micro)[0])
     disk.save_checkpoint()
+    disk.cache.close()  # a finished run releases the folder
 
     def no_target(*a, **kw):
         raise AssertionError("the target ran although every sequence was cached")

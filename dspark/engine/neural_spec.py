@@ -86,7 +86,7 @@ class NeuralSpecRunner(SpecRunner):
             self._backoff = self.MIN_BACKOFF
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, list[int]]:
+    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, list[int] | DraftTree]:
         self._q.clear()
         active = [s for s in seqs if self.draft_budget(s) > 0]
         if not active:

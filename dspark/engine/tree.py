@@ -47,13 +47,16 @@ class DraftTree:
     def ranked(self) -> list[int]:
         """Node indices (0-based) by descending score, shallower first on ties: every prefix of
         this order is a subtree, since a child is never likelier than its parent."""
+        if self.scores is None:
+            raise ValueError("this tree has no node scores to rank by")
         return sorted(range(len(self)), key=lambda i: (-self.scores[i], self.depths[i]))
 
     def top(self, n: int) -> DraftTree:
         """The subtree of the n best-scored nodes, renumbered breadth-first."""
         keep = sorted(self.ranked()[:n], key=lambda i: (self.depths[i], -self.scores[i]))
         index = {old + 1: new + 1 for new, old in enumerate(keep)}
-        return DraftTree(tokens=[self.tokens[i] for i in keep], parents=[index.get(self.parents[i], 0) for i in keep],
+        parents = [self.parents[i] for i in keep]  # KeyError if a parent was not kept: not a subtree
+        return DraftTree(tokens=[self.tokens[i] for i in keep], parents=[index[p] if p else 0 for p in parents],
                          depths=[self.depths[i] for i in keep], scores=[self.scores[i] for i in keep])
 
 

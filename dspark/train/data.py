@@ -135,7 +135,7 @@ class _DenseGen:
     """features.generate_dense over length-sorted batches of the same LlamaModel weights."""
 
     def __init__(self, model, device, dtype, s: GenSettings):
-        from dspark.train.trainer import load_target
+        from dspark.train.drafter_init import load_target
 
         self.model, self.tok = load_target(model, device, dtype)
         self.eos = set(self.model.config.eos_token_id) | {self.tok.eos_token_id}

@@ -9,14 +9,18 @@ On disk (`folder`) the arrays are memory-mapped files plus `index.json` and `don
 (which sequences are filled). They survive restarts, so a resumed run or the next session
 skips the target entirely for sequences already seen. Sequences are identified by a CRC of
 their token ids: when the data grows (new shards are appended), the filled prefix stays
-valid; a sequence whose tokens changed is recomputed. Different layers or a different
-hidden size start the cache over.
+valid; a sequence whose tokens changed is recomputed. A different target (its `key`:
+weights fingerprint and dtype), other layers or another hidden size start the cache over.
+The folder is locked while a cache has it open; filled sequences become durable at
+`flush()` (the trainer flushes at every checkpoint).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 
@@ -24,6 +28,14 @@ import numpy as np
 import torch
 
 _PARTS = ("feats", "final", "lse")
+
+
+def target_key(model) -> str:
+    """A fingerprint of a target's weights and dtype: features cached from another model (or the
+    same one in another dtype) must not be reused."""
+    w = model.lm_head.weight
+    probe = torch.cat([w[:8].flatten(), w[-8:].flatten(), model.norm.weight.flatten()]).detach().float().cpu()
+    return f"{w.dtype}:{tuple(w.shape)}:{zlib.crc32(probe.numpy().tobytes()):08x}"
 
 
 def cache_bytes(num_tokens: int, num_layers: int, hidden: int) -> int:
@@ -34,8 +46,9 @@ def cache_bytes(num_tokens: int, num_layers: int, hidden: int) -> int:
 class FeatureCache:
     """Per-sequence target features, lazily filled; RAM (zero pages until written) or files."""
 
-    def __init__(self, seqs: list[np.ndarray], layer_ids: list[int], hidden: int, folder: str | Path | None = None):
-        self.layer_ids, self.hidden = list(layer_ids), hidden
+    def __init__(self, seqs: list[np.ndarray], layer_ids: list[int], hidden: int, folder: str | Path | None = None,
+                 key: str = ""):
+        self.layer_ids, self.hidden, self.key = list(layer_ids), hidden, key
         lens = np.asarray([len(s) for s in seqs], dtype=np.int64)
         self.off = np.concatenate([[0], np.cumsum(lens)])
         self.crc = np.asarray([zlib.crc32(np.ascontiguousarray(s).tobytes()) for s in seqs], dtype=np.int64)
@@ -48,20 +61,35 @@ class FeatureCache:
             self.arrays = {k: np.zeros((n, widths[k]), dtypes[k]) for k in _PARTS}
             return
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.folder / "lock", "w")  # noqa: SIM115 (held for the cache's lifetime)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"feature cache {self.folder} is in use by another process") from None
         if (self.folder / "done.npy").exists():
             old = np.load(self.folder / "done.npy")
             keep = min(self._reusable_prefix(), len(old))
             self.done[:keep] = old[:keep]
+        # forget invalidated sequences before any file changes size or the index changes
+        self._save_done()
+        sizes = {k: n * widths[k] * np.dtype(dtypes[k]).itemsize for k in _PARTS}
+        grow = sum(max(0, sz - self._size(k)) for k, sz in sizes.items())
+        free = shutil.disk_usage(self.folder).free
+        if grow > free:  # sparse files would fail later, mid-run, as a SIGBUS
+            raise OSError(f"feature cache needs {grow / 1e9:.2f} GB more in {self.folder}, "
+                          f"only {free / 1e9:.2f} GB free")
         self.arrays = {}
         for k in _PARTS:
             path = self.folder / f"{k}.bin"
-            size = n * widths[k] * np.dtype(dtypes[k]).itemsize
             with open(path, "ab") as f:  # grow (or create) the file; the filled prefix is untouched
-                if f.tell() != size:
-                    f.truncate(size)
+                if f.tell() != sizes[k]:
+                    f.truncate(sizes[k])
             self.arrays[k] = np.memmap(path, dtype=dtypes[k], mode="r+", shape=(n, widths[k]))
-        self._save_done()  # forget invalidated sequences before the index describes the new data
         self._write_index()
+
+    def _size(self, part: str) -> int:
+        path = self.folder / f"{part}.bin"
+        return path.stat().st_size if path.exists() else 0
 
     def _reusable_prefix(self) -> int:
         """How many leading sequences of an existing cache folder still hold valid features."""
@@ -69,7 +97,7 @@ class FeatureCache:
             idx = json.loads((self.folder / "index.json").read_text())
         except (OSError, ValueError):
             return 0
-        if idx.get("layer_ids") != self.layer_ids or idx.get("hidden") != self.hidden:
+        if (idx.get("layer_ids"), idx.get("hidden"), idx.get("key")) != (self.layer_ids, self.hidden, self.key):
             return 0
         old_off, old_crc = np.asarray(idx["offsets"]), np.asarray(idx["crc"])
         m = min(len(old_crc), len(self.crc))
@@ -77,7 +105,7 @@ class FeatureCache:
         return int(m if same.all() else np.argmin(same))
 
     def _write_index(self) -> None:
-        idx = {"layer_ids": self.layer_ids, "hidden": self.hidden, "offsets": self.off.tolist(),
+        idx = {"layer_ids": self.layer_ids, "hidden": self.hidden, "key": self.key, "offsets": self.off.tolist(),
                "crc": self.crc.tolist()}
         tmp = self.folder / "index.json.tmp"
         tmp.write_text(json.dumps(idx))
@@ -85,9 +113,11 @@ class FeatureCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the whole cache takes once every sequence is filled."""
         return cache_bytes(int(self.off[-1]), len(self.layer_ids), self.hidden)
 
     def has(self, i: int) -> bool:
+        """Whether sequence i's features are cached."""
         return bool(self.done[i])
 
     def put(self, i: int, feats: torch.Tensor, final: torch.Tensor, lse: torch.Tensor) -> None:
@@ -111,6 +141,12 @@ class FeatureCache:
         for a in self.arrays.values():
             a.flush()
         self._save_done()
+
+    def close(self) -> None:
+        """Flush and release the folder's lock (also happens when the cache is garbage-collected)."""
+        self.flush()
+        if self.folder is not None:
+            self._lock.close()
 
     def _save_done(self) -> None:
         tmp = self.folder / "done.tmp.npy"

@@ -405,7 +405,7 @@ def test_compiled_loss_equals_eager(target, tmp_path):
         for micro in range(2):  # two batches: different slot counts through the dynamic graph
             loss, parts = tr.micro_loss(micro)
             loss.backward()
-            losses += [float(loss), float(parts["l1"]), float(parts["acc"])]
+            losses += [float(loss.detach()), float(parts["l1"]), float(parts["acc"])]
         grads = [p.grad.clone() for p in tr.params if p.grad is not None]
         runs.append((losses, grads))
     (l0, g0), (l1, g1) = runs

@@ -172,7 +172,10 @@ class NeuralSpecRunner(SpecRunner):
         out: dict[int, DraftTree | list[int]] = {}
         for s, t, n in zip(active, trees, sizes):
             self._proposed[s.seq_id] = self.cfg.tree_budget
-            out[s.seq_id] = t.top(n) if n else []  # no node admitted: verify the anchor alone
+            if n == len(t):  # the whole tree (fixed): as built, no re-ranking
+                out[s.seq_id] = t
+            else:  # pruned to the admitted nodes; none admitted: verify the anchor alone
+                out[s.seq_id] = t.top(n) if n else []
         return out
 
     def _acceptance_prior(self, R: int, nd: int) -> torch.Tensor:

@@ -152,12 +152,6 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"device {device}, {dtype}", file=sys.stderr)
     if size > 25e6:
         print("warning: the exported checkpoint will exceed 25 MB", file=sys.stderr)
-    if args.cache_features or args.feature_cache:
-        from dspark.train.feature_cache import cache_bytes
-
-        where = f"on disk in {args.feature_cache}" if args.feature_cache else "in RAM"
-        gb = cache_bytes(data.num_tokens(), len(dc.target_layer_ids), target.config.hidden_size) / 1e9
-        print(f"feature cache: {gb:.2f} GB {where}, filled as sequences are first seen", file=sys.stderr)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
                       anchors_per_seq=args.anchors_per_seq, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
                       warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -168,6 +162,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                       compile_loss=args.compile_loss)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     tr = Trainer(target, drafter, data, cfg, out, pad_id=pad)
+    if tr.cache is not None:
+        where = f"on disk in {args.feature_cache}" if args.feature_cache else "in RAM"
+        print(f"feature cache: {tr.cache.nbytes / 1e9:.2f} GB {where}, {int(tr.cache.done.sum())} of "
+              f"{len(data)} sequences filled", file=sys.stderr)
     if tr.load_checkpoint():
         print(f"resumed from {out / 'ckpt'} at step {tr.step}", file=sys.stderr)
     res = tr.fit()

@@ -9,6 +9,7 @@ import torch
 from dspark.models.drafters.dspark import BlockDrafter, DrafterConfig
 from dspark.train.data import TokenDataset
 
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 SMOL_MASK_TOKEN = "<empty_output>"  # id 16 in SmolLM2: a Jupyter-dataset marker chat never emits
 
 
@@ -88,6 +89,3 @@ def load_target(model: str | None, device: str, dtype: torch.dtype):
     m.load_hf_state_dict(load_state_dict(folder, dtype))
     m = m.to(device, dtype).eval().requires_grad_(False)
     return m, load_tokenizer(folder)
-
-
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}

@@ -411,3 +411,35 @@ def test_compiled_loss_equals_eager(target, tmp_path):
     (l0, g0), (l1, g1) = runs
     assert l1 == pytest.approx(l0, rel=1e-5)
     assert len(g0) == len(g1) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(g0, g1))
+
+
+def test_train_cli_warm_start(tiny_folder, target, tmp_path):
+    """--init-from starts from a checkpoint's weights, config and vocabulary (not the flags): with
+    lr 0 the export equals the checkpoint; a missing checkpoint is refused before any work."""
+    from safetensors.torch import load_file
+
+    from dspark.cli import main
+
+    data = _toy_data(tmp_path)
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(len(data))))
+    init = tmp_path / "init"
+    d, vocab = _rv_drafter(target, data)
+    with torch.no_grad():
+        d.fc.weight.normal_(0, 0.3)
+    from dspark.models.drafters.checkpoint import save_drafter
+
+    save_drafter(d, init)
+    common = ["train-drafter", "--prompts", str(pf), "--model", tiny_folder, "--data-dir", str(tmp_path / "data"),
+              "--shard-size", str(len(data)), "--device", "cpu", "--dtype", "fp32", "--no-progress",
+              "--batch-size", "4", "--anchors-per-seq", "4", "--export-dtype", "fp32", "--save-every", "0"]
+    assert main(common + ["--out", str(tmp_path / "x"), "--init-from", str(tmp_path / "nothing")]) == 2
+    assert not (tmp_path / "x" / "final").exists()
+    assert main(common + ["--out", str(tmp_path / "run"), "--init-from", str(init), "--num-layers", "3",
+                          "--block-size", "6", "--steps", "2", "--lr", "0", "--weight-decay", "0"]) == 0
+    out = tmp_path / "run" / "final"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["block_size"] == 4 and cfg["draft_vocab_size"] == 64
+    a, b = load_file(str(init / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "train_stats.json").read_text())["init_from"] == str(init)

@@ -38,6 +38,10 @@ def add_train_parsers(sub) -> None:
     g.add_argument("--shard-size", type=int, default=1024)
     g.add_argument("--data-only", action="store_true", help="stop after writing the data")
     m = t.add_argument_group("drafter")
+    m.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
+                   help="warm start: the weights, config and draft vocabulary of this drafter checkpoint "
+                        "(the other drafter flags are then ignored); a run that resumes from <out>/ckpt "
+                        "ignores it")
     m.add_argument("--num-layers", type=int, default=2)
     m.add_argument("--block-size", type=int, default=8)
     m.add_argument("--markov-rank", type=int, default=32)
@@ -99,18 +103,15 @@ def _device(name: str) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
+    from dspark.models.drafters.checkpoint import load_drafter
     from dspark.train.data import GenSettings, TokenDataset, generate_dataset
-    from dspark.train.drafter_init import (
-        DTYPES,
-        checkpoint_bytes,
-        default_mask_token,
-        frequent_tokens,
-        load_target,
-        make_drafter_config,
-        new_drafter,
-    )
+    from dspark.train.drafter_init import DTYPES, checkpoint_bytes, load_target
     from dspark.train.trainer import TrainConfig, Trainer
 
+    if args.init_from and not (Path(args.init_from) / "config.json").is_file():
+        # checked before data generation, which may take an hour
+        print(f"error: --init-from {args.init_from}: no drafter config.json there", file=sys.stderr)
+        return 2
     t_start = time.time()
     deadline = t_start + 60 * args.time_budget_minutes if args.time_budget_minutes else None
     device = _device(args.device)
@@ -132,20 +133,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     target, tok = load_target(args.model, device, DTYPES[dtype])
     data = TokenDataset(data_dir, max_len=args.max_len)
-    layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
-    dc = make_drafter_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
-                             markov_rank=args.markov_rank, layer_ids=layer_ids,
-                             intermediate_size=args.intermediate_size,
-                             mask_token_id=args.mask_token_id if args.mask_token_id is not None
-                             else default_mask_token(tok), draft_vocab_size=args.draft_vocab)
-    vocab = None
-    if args.draft_vocab:
-        from dspark.train.data import read_prompts
-
-        texts = [p["messages"][0]["content"] for p in read_prompts(args.prompts)]
-        extra = tok(texts, add_special_tokens=False)["input_ids"]
-        vocab = frequent_tokens(data, args.draft_vocab, target.config.vocab_size, extra)
-    drafter = new_drafter(dc, target, args.seed, vocab)
+    if args.init_from:
+        drafter = load_drafter(args.init_from, target, torch.float32, "cpu")
+        print(f"warm start from {args.init_from}: its architecture and draft vocabulary replace the drafter "
+              "flags", file=sys.stderr)
+    else:
+        drafter = _new_drafter(args, target, tok, data)
     size = checkpoint_bytes(drafter, DTYPES[args.export_dtype])
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, "
           f"{size / 1e6:.1f} MB as {args.export_dtype}; data: {len(data)} sequences, {data.num_tokens()} tokens; "
@@ -174,6 +167,7 @@ def cmd_train(args: argparse.Namespace) -> int:
              "smoothed_last": {k: round(v, 4) for k, v in res["last"].items()},
              "data": {"sequences": len(data), "tokens": data.num_tokens(), "dir": str(data_dir),
                       "generation": gen_stats},
+             "init_from": args.init_from,
              "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
              "command_wall_s": round(time.time() - t_start, 1)}
     if device.startswith("cuda"):
@@ -186,6 +180,26 @@ def cmd_train(args: argparse.Namespace) -> int:
                                             "train_seqs_per_s", "checkpoint_bytes")} |
                      {"cuda_peak_mem_gb": extra.get("cuda_peak_mem_gb")}))
     return 0
+
+
+def _new_drafter(args: argparse.Namespace, target, tok, data):
+    """A fresh drafter shaped by the command's drafter flags."""
+    from dspark.train.drafter_init import default_mask_token, frequent_tokens, make_drafter_config, new_drafter
+
+    layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
+    dc = make_drafter_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
+                             markov_rank=args.markov_rank, layer_ids=layer_ids,
+                             intermediate_size=args.intermediate_size,
+                             mask_token_id=args.mask_token_id if args.mask_token_id is not None
+                             else default_mask_token(tok), draft_vocab_size=args.draft_vocab)
+    vocab = None
+    if args.draft_vocab:
+        from dspark.train.data import read_prompts
+
+        texts = [p["messages"][0]["content"] for p in read_prompts(args.prompts)]
+        extra = tok(texts, add_special_tokens=False)["input_ids"]
+        vocab = frequent_tokens(data, args.draft_vocab, target.config.vocab_size, extra)
+    return new_drafter(dc, target, args.seed, vocab)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -255,6 +255,13 @@ def test_generate_dataset_resumable(tiny_folder, tmp_path):
     assert all(len(x) > p for x, p in zip(ds.seqs, ds.prompt_lens))
     again = generate_dataset(str(pf), tmp_path / "data", None, tiny_folder, "cpu", torch.float32, s, progress=False)
     assert again["shards_written"] == 0
+    assert [p["id"] for p in read_prompts(pf, limit=2, skip=1)] == ["x1", "x2"]
+    with pytest.raises(ValueError, match="skip_prompts=0, not 2"):  # would mix two prompt ranges
+        generate_dataset(str(pf), tmp_path / "data", None, tiny_folder, "cpu", torch.float32, s,
+                         progress=False, skip_prompts=2)
+    tail = generate_dataset(str(pf), tmp_path / "tail", None, tiny_folder, "cpu", torch.float32, s,
+                            progress=False, skip_prompts=2)
+    assert tail["sequences"] == 2 and TokenDataset(tmp_path / "tail").seqs[1].tolist() == ds.seqs[3].tolist()
 
 
 def test_generate_dense_matches_hf_greedy(tiny_folder, target):
@@ -434,6 +441,7 @@ def test_train_cli_warm_start(tiny_folder, target, tmp_path):
               "--shard-size", str(len(data)), "--device", "cpu", "--dtype", "fp32", "--no-progress",
               "--batch-size", "4", "--anchors-per-seq", "4", "--export-dtype", "fp32", "--save-every", "0"]
     assert main(common + ["--out", str(tmp_path / "x"), "--init-from", str(tmp_path / "nothing")]) == 2
+    assert main(common + ["--out", str(tmp_path / "x"), "--skip-prompts", "-1"]) == 2
     assert not (tmp_path / "x" / "final").exists()
     assert main(common + ["--out", str(tmp_path / "run"), "--init-from", str(init), "--num-layers", "3",
                           "--block-size", "6", "--steps", "2", "--lr", "0", "--weight-decay", "0"]) == 0

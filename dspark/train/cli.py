@@ -22,6 +22,8 @@ def add_train_parsers(sub) -> None:
     t = sub.add_parser("train-drafter", help="self-distill data, train a DSpark drafter, export it")
     t.add_argument("--prompts", required=True, help="jsonl with 'prompt' (or 'turns') per line")
     t.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the file (default: all)")
+    t.add_argument("--skip-prompts", type=int, default=0,
+                   help="start after the file's first N prompts, e.g. those an earlier run used")
     t.add_argument("--out", required=True, help="run folder (data/, ckpt/, final/, train_stats.json)")
     t.add_argument("--data-dir", default=None, help="token shards (default: <out>/data)")
     t.add_argument("--model", default=None, help="target: HF folder or .gguf (default: SmolLM2-135M-Instruct)")
@@ -108,6 +110,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dspark.train.drafter_init import DTYPES, checkpoint_bytes, load_target
     from dspark.train.trainer import TrainConfig, Trainer
 
+    if args.skip_prompts < 0:
+        print(f"error: --skip-prompts must be >= 0, got {args.skip_prompts}", file=sys.stderr)
+        return 2
     if args.init_from and not (Path(args.init_from) / "config.json").is_file():
         # checked before data generation, which may take an hour
         print(f"error: --init-from {args.init_from}: no drafter config.json there", file=sys.stderr)
@@ -123,7 +128,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                      sample_share=args.sample_share, seed=args.seed, shard_size=args.shard_size,
                      batch_size=args.gen_batch_size, backend=args.gen_backend)
     gen_stats = generate_dataset(args.prompts, data_dir, args.num_prompts, args.model, device,
-                                 DTYPES[dtype], gs, progress=not args.no_progress, deadline=deadline)
+                                 DTYPES[dtype], gs, progress=not args.no_progress, deadline=deadline,
+                                 skip_prompts=args.skip_prompts)
     print(json.dumps({"data": gen_stats}), file=sys.stderr)
     if gen_stats.get("incomplete"):
         print("time budget reached during data generation; run the same command again to continue",

@@ -33,12 +33,16 @@ from safetensors.numpy import load_file, save_file
 log = logging.getLogger(__name__)
 
 
-def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """[{id, category, messages}] from a jsonl file with `prompt` or `turns` per line."""
+def read_prompts(path: str | Path, limit: int | None = None, skip: int = 0) -> list[dict]:
+    """[{id, category, messages}] from a jsonl file with `prompt` or `turns` per line, after
+    its first `skip` prompts."""
     out = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f):
             if not line.strip():
+                continue
+            if skip > 0:
+                skip -= 1
                 continue
             d = json.loads(line)
             text = d.get("prompt")
@@ -171,20 +175,26 @@ def shard_path(data_dir: Path, i: int) -> Path:
 
 def generate_dataset(prompts_file: str, data_dir: str | Path, num_prompts: int | None, model: str | None,
                      device: str, dtype: torch.dtype, s: GenSettings, progress: bool = True,
-                     deadline: float | None = None) -> dict:
+                     deadline: float | None = None, skip_prompts: int = 0) -> dict:
     """Write the missing shards; return stats (sequences, tokens, seconds). Past `deadline`
-    (time.time()) it stops after the shard in progress and sets stats["incomplete"]."""
+    (time.time()) it stops after the shard in progress and sets stats["incomplete"].
+    `skip_prompts` drops the file's first prompts (those an earlier run used); shard numbers,
+    prompt_index and the per-prompt sampling seeds count from the first prompt kept."""
     from tqdm import tqdm
 
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    prompts = read_prompts(prompts_file, num_prompts)
+    prompts = read_prompts(prompts_file, num_prompts, skip_prompts)
+    if not prompts:
+        raise ValueError(f"{prompts_file}: no prompts left after skipping {skip_prompts}")
     n_shards = -(-len(prompts) // s.shard_size)
     todo = [i for i in range(n_shards) if not shard_path(data_dir, i).exists()]
-    meta = {"prompts_file": str(prompts_file), "num_prompts": len(prompts), "shard_size": s.shard_size,
+    meta = {"prompts_file": str(prompts_file), "skip_prompts": skip_prompts, "num_prompts": len(prompts),
+            "shard_size": s.shard_size,
             "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens,
             "sample_share": s.sample_share, "temperature": s.temperature, "seed": s.seed,
             "model": model or "default (SmolLM2-135M-Instruct)"}
+    _check_same_layout(data_dir / "meta.json", meta)
     (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     t0 = time.perf_counter()
     stats = {"shards_written": 0, "sequences": 0, "tokens": 0, "skipped_long": 0}
@@ -233,6 +243,18 @@ def generate_dataset(prompts_file: str, data_dir: str | Path, num_prompts: int |
         stats["tokens"] += int(arrays["tokens"].size)
     bar.close()
     return stats | {"seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _check_same_layout(meta_path: Path, meta: dict) -> None:
+    """Shard i holds prompts [i*S, (i+1)*S) counted from the first kept prompt: a folder written
+    with another shard size or skip would be silently mixed with the new shards, so refuse it."""
+    if not meta_path.exists():
+        return
+    old = json.loads(meta_path.read_text())
+    for key, default in (("shard_size", None), ("skip_prompts", 0)):
+        if old.get(key, default) != meta[key]:
+            raise ValueError(f"{meta_path.parent} was written with {key}={old.get(key, default)}, not "
+                             f"{meta[key]}: use the same value or another data folder")
 
 
 class TokenDataset:

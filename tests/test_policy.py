@@ -39,6 +39,39 @@ def test_load_aware_by_hand():
     assert policy.last_gain < 1
 
 
+def test_cost_model_is_non_decreasing_and_learns_real_steps():
+    # a profile taken on a busy machine: the 1- and 2-token passes were slowed down by a neighbour
+    noisy = CostModel([1, 2, 4, 8, 16], [1.7, 1.7, 0.05, 0.09, 0.2])
+    assert noisy.seconds == [0.05, 0.05, 0.05, 0.09, 0.2]
+    assert noisy(3) == pytest.approx(0.05) and noisy(12) == pytest.approx(0.145) and noisy(32) == pytest.approx(0.4)
+    for bad in (([], []), ([1, 2], [1.0]), ([2, 1], [1.0, 2.0]), ([1, 2], [0.0, 1.0])):
+        with pytest.raises(ValueError, match="cost profile"):
+            CostModel(*bad)
+    # real steps: plain ones (16 tokens) cost 0.04, verification ones cost 0.04 + 0.001 per extra
+    # token, steeper than the profile's slope; both the level and the slope are learned
+    cost = CostModel([1, 16, 32, 64], [0.018, 0.03, 0.04, 0.055])
+    for _ in range(300):
+        for n in (16, 16, 40, 56, 24):
+            cost.observe(n, 0.04 + 0.001 * (n - 16))
+    for n in (16, 24, 40, 56):
+        assert cost(n) == pytest.approx(0.04 + 0.001 * (n - 16), rel=0.02), n
+    assert cost.seconds == sorted(cost.seconds)
+    before = list(cost.seconds)
+    cost.observe(40, 1e6)  # one absurd step moves the prediction a bounded share of CLAMP x
+    assert cost(40) < (1 + CostModel.RATE * CostModel.CLAMP) * 0.064
+    cost.observe(0, 1.0), cost.observe(4, 0.0)  # nothing to learn from
+    assert cost.seconds[0] == before[0]
+    # the policy prices with today's seconds: a drafter pass that cost half a profiled target
+    # pass stops paying for itself once real steps turn out ten times cheaper than profiled
+    conf = torch.tensor([[0.9, 0.9]])
+    policy = LoadAwarePolicy(CostModel([1, 2, 3], [1.0, 1.1, 1.2]))
+    assert policy.choose([2], conf, draft_seconds=0.5) == [2] and policy.last_gain > 1
+    for _ in range(100):
+        for n in (1, 2, 3):
+            policy.cost.observe(n, 0.1 + 0.01 * (n - 1))
+    assert policy.choose([2], conf, draft_seconds=0.5) == [2] and policy.last_gain < 1
+
+
 def test_load_aware_tree_nodes_by_hand():
     # nodes in descending survival per tree, as DraftTree.ranked() gives them
     survival = [[0.9, 0.81, 0.3], [0.5, 0.2]]

@@ -161,7 +161,9 @@ class Engine:
         decode, prefill = self._schedule()
         if not decode and not prefill:
             return self._drain_finished([])
+        t0 = time.perf_counter()
         proposals = self.spec.propose(decode, sum(n for _, n in prefill)) if decode else {}
+        t_draft = time.perf_counter() - t0
         works = []
         for seq in decode:
             prop = proposals.get(seq.seq_id)
@@ -176,7 +178,10 @@ class Engine:
         result = self.runner.forward(items, rows, capture=self.spec.capture_layers, mask=mask,
                                      custom_masks=masks, positions=positions)
         accept(works, result.logits, self.spec)
-        return self._drain_finished(self._commit(works, result))
+        touched = self._commit(works, result)
+        if not prefill:  # the acceptance read the logits, so the pass has finished on any device
+            self.spec.observe_step(len(rows), time.perf_counter() - t0 - t_draft)
+        return self._drain_finished(touched)
 
     def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         cfg = self.config

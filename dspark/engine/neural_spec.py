@@ -52,6 +52,11 @@ class NeuralSpecRunner(SpecRunner):
 
             self.policy = make_policy(self.cfg.policy, self.cfg.threshold, load_or_measure(self.engine))
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        cost = getattr(self.policy, "cost", None)
+        if cost is not None:
+            cost.observe(tokens, seconds)
+
     def max_tokens_for(self, seq: Sequence) -> int:
         budget = self.draft_budget(seq)
         if not budget:
@@ -73,10 +78,11 @@ class NeuralSpecRunner(SpecRunner):
 
     def _record_pass(self, R: int, seconds: float) -> None:
         self.num_draft_passes += 1
+        priced = bool(self.draft_seconds)  # the very first choice took the drafter to be free
         old = self.draft_seconds.get(R, seconds)
         self.draft_seconds[R] = old + self.DRAFT_TIME_EMA * (seconds - old)
         gain = getattr(self.policy, "last_gain", None)
-        if gain is None:
+        if gain is None or not priced:
             return
         self.gain += self.GAIN_EMA * (gain - self.gain)
         if self.gain < 1.0:

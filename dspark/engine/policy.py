@@ -18,27 +18,73 @@ load-aware  DSpark's confidence-scheduled verification (paper Algorithm 1): admi
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class CostModel:
-    """Seconds per target pass as a function of tokens in the pass (piecewise linear)."""
+    """Seconds of a decode step as a function of tokens in its target pass (piecewise linear).
+
+    It starts from a start-up profile of bare target passes, made non-decreasing when built:
+    timing noise on a shared machine only ever adds time, and a pass with more tokens never costs
+    less, so each entry is capped by the cheapest entry at or after it. `observe` then moves the
+    table towards the steps the engine really runs (attention over longer contexts than the
+    profile's, acceptance and cache bookkeeping, a machine busier or quieter than at start-up):
+    a normalized least-mean-squares step on the two entries around n (a running mean at first,
+    then a fixed rate), so plain steps teach the cost at n = R and verification steps the slope
+    above it."""
 
     tokens: list[int]
     seconds: list[float]
+    seen: list[float] = field(default_factory=list)  # observations folded into each entry (weighted)
+    RATE = 0.1  # the least share of a step's prediction error corrected per observation
+    CLAMP = 10.0  # one odd step moves the prediction towards at most CLAMP x (or 1/CLAMP) of it
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.seconds):
+            raise ValueError("a cost profile needs one time per token count, and at least one")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])):
+            raise ValueError(f"cost profile token counts must ascend: {self.tokens}")
+        if any(not s > 0 for s in self.seconds):
+            raise ValueError(f"cost profile times must be positive: {self.seconds}")
+        capped, low = [], float("inf")
+        for s in reversed(self.seconds):
+            low = min(low, s)
+            capped.append(low)
+        self.seconds = capped[::-1]
+        self.seen = self.seen or [0.0] * len(self.tokens)
+
+    def _weights(self, n: int) -> list[tuple[int, float]]:
+        """(table index, weight) pairs whose weighted sum of seconds is the cost of n tokens."""
+        xs = self.tokens
+        if n <= xs[0]:
+            return [(0, 1.0)]
+        if n >= xs[-1]:
+            return [(len(xs) - 1, n / xs[-1])]
+        i = bisect.bisect_left(xs, n)
+        w = (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return [(i - 1, 1.0 - w), (i, w)]
 
     def __call__(self, n: int) -> float:
-        xs, ys = self.tokens, self.seconds
-        if n <= xs[0]:
-            return ys[0]
-        if n >= xs[-1]:
-            return ys[-1] * n / xs[-1]
-        i = bisect.bisect_left(xs, n)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        return sum(self.seconds[i] * w for i, w in self._weights(n))
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Fold one real step of n target tokens that took `seconds` (drafter pass excluded)."""
+        if n < 1 or not seconds > 0:
+            return
+        pred = self(n)
+        err = min(self.CLAMP * pred, max(pred / self.CLAMP, seconds)) - pred
+        ws = self._weights(n)
+        norm = sum(w * w for _, w in ws)
+        # a running mean over the first steps near n (real steps beat the bare profile), then an EMA
+        rate = max(self.RATE, 1.0 / (1.0 + sum(self.seen[i] * w for i, w in ws) / sum(w for _, w in ws)))
+        for i, w in ws:
+            self.seconds[i] = max(1e-9, self.seconds[i] + rate * err * w / norm)
+            self.seen[i] += min(1.0, w)
+        for i in range(1, len(self.seconds)):  # keep it non-decreasing: learned costs may cross
+            self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
 
 
 class Policy:

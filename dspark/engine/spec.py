@@ -57,5 +57,9 @@ class SpecRunner:
         """[R, K, V] draft distributions of the verified tokens, or None when one-hot."""
         return None
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode-only step's target tokens and its wall seconds outside the drafter pass (the
+        pass, acceptance and commit), for policies that price verification."""
+
     def commit(self, ctx_rows, result) -> None:
         """Called after each forward with (seq, first new position, batch rows kept there in order)."""

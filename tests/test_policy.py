@@ -15,7 +15,7 @@ from dspark.engine.policy import CostModel, LoadAwarePolicy, ThresholdPolicy, ma
 from dspark.engine.tree import DraftTree, build_trees
 
 FLAT = CostModel([1, 256], [1.0, 1.0])  # a pass costs the same whatever it holds: verify everything
-STEEP = CostModel([1, 2, 256], [1.0, 2.0, 256.0])  # each extra token costs a whole pass
+STEEP = CostModel([1, 2, 256], [1.0, 2.0, 256.0], frozen=True)  # each extra token costs a whole pass
 
 
 def test_load_aware_by_hand():
@@ -39,28 +39,61 @@ def test_load_aware_by_hand():
     assert policy.last_gain < 1
 
 
-def test_cost_model_is_non_decreasing_and_learns_real_steps():
+def test_cost_model_prices_non_decreasing_and_learns_real_steps():
     # a profile taken on a busy machine: the 1- and 2-token passes were slowed down by a neighbour
     noisy = CostModel([1, 2, 4, 8, 16], [1.7, 1.7, 0.05, 0.09, 0.2])
-    assert noisy.seconds == [0.05, 0.05, 0.05, 0.09, 0.2]
+    assert noisy.priced == [0.05, 0.05, 0.05, 0.09, 0.2] and noisy.seconds[0] == 1.7
     assert noisy(3) == pytest.approx(0.05) and noisy(12) == pytest.approx(0.145) and noisy(32) == pytest.approx(0.4)
-    for bad in (([], []), ([1, 2], [1.0]), ([2, 1], [1.0, 2.0]), ([1, 2], [0.0, 1.0])):
+    for bad in (([], []), ([1, 2], [1.0]), ([2, 1], [1.0, 2.0]), ([1, 2], [0.0, 1.0]), ([1, 2], [1.0, 2.0], [1.0])):
         with pytest.raises(ValueError, match="cost profile"):
             CostModel(*bad)
-    # real steps: plain ones (16 tokens) cost 0.04, verification ones cost 0.04 + 0.001 per extra
-    # token, steeper than the profile's slope; both the level and the slope are learned
+    # real steps: plain ones (16 tokens) cost 0.04, verification ones 0.04 + 0.001 per extra token,
+    # steeper than the profile's slope; both the level and the slope are learned
+    def real(n, level=0.04):
+        return level + 0.001 * (n - 16)
+
     cost = CostModel([1, 16, 32, 64], [0.018, 0.03, 0.04, 0.055])
     for _ in range(300):
         for n in (16, 16, 40, 56, 24):
-            cost.observe(n, 0.04 + 0.001 * (n - 16))
+            cost.observe(n, real(n))
     for n in (16, 24, 40, 56):
-        assert cost(n) == pytest.approx(0.04 + 0.001 * (n - 16), rel=0.02), n
-    assert cost.seconds == sorted(cost.seconds)
-    before = list(cost.seconds)
-    cost.observe(40, 1e6)  # one absurd step moves the prediction a bounded share of CLAMP x
-    assert cost(40) < (1 + CostModel.RATE * CostModel.CLAMP) * 0.064
+        assert cost(n) == pytest.approx(real(n), rel=0.02), n
+    # the regime changes (the machine gets twice as busy): the fixed rate floor follows it
+    for _ in range(60):
+        for n in (16, 32, 64):
+            cost.observe(n, 2 * real(n))
+    assert cost(16) == pytest.approx(2 * real(16), rel=0.02) and cost(40) == pytest.approx(2 * real(40), rel=0.02)
     cost.observe(0, 1.0), cost.observe(4, 0.0)  # nothing to learn from
-    assert cost.seconds[0] == before[0]
+    frozen = CostModel([1, 16], [0.1, 0.4], frozen=True)
+    frozen.observe(8, 5.0)
+    assert frozen.seconds == [0.1, 0.4]
+
+
+def test_cost_model_outliers_are_bounded_and_forgotten():
+    # the very first real step is a 10x hiccup (a lazy warm-up): the profile's prior weight and the
+    # clamp bound the damage, and ordinary steps wash it out
+    cost = CostModel([1, 16, 32], [0.02, 0.03, 0.04])
+    cost.observe(24, 0.35)
+    assert cost(24) <= 0.035 * (1 + (CostModel.CLAMP - 1) / (1 + CostModel.PRIOR)) + 1e-12
+    for _ in range(80):
+        cost.observe(24, 0.035)
+    assert cost(24) == pytest.approx(0.035, rel=0.02)
+    # a hiccup that pushes one entry above the next: prices stay non-decreasing, and the entry
+    # comes back down once ordinary steps are seen again (nothing raised stays raised)
+    cost = CostModel([1, 16, 32], [0.02, 0.03, 0.04])
+    for _ in range(4):
+        cost.observe(16, 0.09)
+    assert cost.seconds[1] > cost.seconds[2] and cost.priced[1] <= cost.priced[2]
+    assert cost(16) == pytest.approx(cost(32))
+    for _ in range(60):
+        cost.observe(16, 0.03)
+    assert cost(16) == pytest.approx(0.03, rel=0.02) and cost(32) == pytest.approx(0.04)
+    # a profile ten times too slow everywhere is corrected where steps are seen, even though the
+    # entries to its left are never observed (a step between two entries teaches each half as much)
+    slow = CostModel([1, 4, 8, 16], [0.2, 0.25, 0.3, 0.4])
+    for _ in range(150):
+        slow.observe(4, 0.025), slow.observe(12, 0.035)
+    assert slow(4) == pytest.approx(0.025, rel=0.05) and slow(12) == pytest.approx(0.035, rel=0.05)
     # the policy prices with today's seconds: a drafter pass that cost half a profiled target
     # pass stops paying for itself once real steps turn out ten times cheaper than profiled
     conf = torch.tensor([[0.9, 0.9]])
@@ -70,6 +103,24 @@ def test_cost_model_is_non_decreasing_and_learns_real_steps():
         for n in (1, 2, 3):
             policy.cost.observe(n, 0.1 + 0.01 * (n - 1))
     assert policy.choose([2], conf, draft_seconds=0.5) == [2] and policy.last_gain < 1
+
+
+def test_engine_reports_decode_steps_to_the_spec_runner(folders, single_thread):
+    """Every decode-only step reports its target tokens and a positive time; prefill steps do not."""
+    engine = make_engine(folders["target"], "none", max_num_batched_tokens=24)
+    calls = []
+    engine.spec.observe_step = lambda tokens, seconds: calls.append((tokens, seconds))
+    for i, p in enumerate(alphabet_prompts([15, 20, 31], seed=4)):
+        engine.add_request(f"o{i}", p, SamplingParams(temperature=0.0, max_tokens=6))
+    expected = []
+    while engine.has_unfinished():
+        decode_only = all(not s.in_prefill for s in engine.running) and not engine.waiting
+        n = len(engine.running)
+        engine.step()
+        if decode_only and n:
+            expected.append(n)
+    assert [t for t, _ in calls] == expected and len(expected) >= 4
+    assert all(s > 0 for _, s in calls)
 
 
 def test_load_aware_tree_nodes_by_hand():
@@ -122,7 +173,7 @@ def test_threshold_and_make_policy():
 def test_engine_load_aware_verifies_less_same_output(folders, single_thread, drafter, tree, monkeypatch):
     """With a cost model where each verified token costs something, load-aware verifies fewer
     draft tokens (chain) or nodes (tree) than fixed, and greedy output stays token-for-token the same."""
-    sloped = CostModel([1, 64], [1.0, 4.15])  # +5% of a pass per token
+    sloped = CostModel([1, 64], [1.0, 4.15], frozen=True)  # +5% of a pass per token; real steps teach nothing
     monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: sloped)
     prompts = alphabet_prompts([15, 20, 24, 31, 33, 40], seed=5)
     sp = SamplingParams(temperature=0.0, max_tokens=32)

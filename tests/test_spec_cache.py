@@ -128,3 +128,37 @@ def test_captured_features_are_hf_hidden_states(folders, fresh):
         hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
     want = torch.cat([hs[layer + 1][0] for layer in LAYER_IDS], -1)
     torch.testing.assert_close(feats, want, rtol=1e-4, atol=1e-4)
+
+
+def test_paused_drafter_defers_context_writes(folders, fresh, monkeypatch):
+    """While the load-aware policy pauses drafting, the drafter's context writes wait; whenever the
+    next step could draft, both caches again equal a fresh computation, through preemptions too."""
+    from dspark.engine.policy import CostModel
+
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: CostModel([1], [1.0], frozen=True))
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", kv_cache_tokens=16 * 9,
+                         max_num_batched_tokens=40)
+    spec = engine.spec
+
+    def losing(survival, other_tokens, draft_seconds):  # every drafting step loses to plain decoding
+        spec.policy.last_gain = 0.5
+        return [1] * len(survival)
+
+    monkeypatch.setattr(spec.policy, "_admit", losing)
+    spec.MAX_BACKOFF = 4  # pause 4 steps after each drafting step: many pause / resume cycles
+    for i, p in enumerate(alphabet_prompts([31, 33, 40], seed=9)):
+        engine.add_request(f"d{i}", p, SamplingParams(temperature=0.0, max_tokens=60))
+    deferred, checked = 0, 0
+    for _ in range(400):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        deferred = max(deferred, spec._pending_rows)
+        if spec._skip_steps == 0:  # the next step may draft: nothing may still be pending
+            assert not spec._pending
+            for s in engine.running:
+                if s.num_cached:
+                    check_caches(engine, fresh, s)
+                    checked += 1
+    assert not engine.has_unfinished() and engine.num_preemptions > 0 and spec.num_draft_passes > 5
+    assert deferred >= 6 and checked > 10, (deferred, checked)

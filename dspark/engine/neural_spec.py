@@ -41,10 +41,11 @@ class NeuralSpecRunner(SpecRunner):
         # complete (CUDA graphs change what a pass costs)
         self.policy = None if cfg.policy == "load-aware" else make_policy(cfg.policy, cfg.threshold, None)
         self._q: dict[int, torch.Tensor] = {}
-        self.last_conf: dict[int, list[float]] = {}
         self.draft_seconds: dict[int, float] = {}  # EMA of a drafter pass's wall time, by batch size
         self.num_draft_passes = 0
         self._skip_steps, self._backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
+        self._pending: list[tuple[Sequence, int, int, torch.Tensor]] = []  # deferred context writes
+        self._pending_rows = 0
 
     def calibrate(self) -> None:
         if self.policy is None:
@@ -103,6 +104,8 @@ class NeuralSpecRunner(SpecRunner):
                 self._proposed[s.seq_id] = 0
             return {}
         t0 = time.perf_counter()
+        if self._pending:  # commit flushes once the pause ends; this keeps the drafter's view whole
+            self._flush_context()
         dc, dev = self.drafter.config, self.engine.device
         B, nd, R = dc.block_size, dc.num_drafts, len(active)
         items = [(s, [s.output_ids[-1]] + [dc.mask_token_id] * (B - 1)) for s in active]
@@ -205,17 +208,35 @@ class NeuralSpecRunner(SpecRunner):
                 q[r, torch.arange(n), torch.tensor(d, device=q.device)] = 1.0
         return q
 
+    # While drafting is paused nothing reads the drafter's context, so the K/V of the positions
+    # committed meanwhile wait and go in one batched write just before the next drafter pass: a
+    # write of a few rows per step costs ~4% of a small CPU step, most of it per-call overhead.
+    MAX_PENDING_ROWS = 8192  # past this, write anyway (bounded memory under a flood of prefills)
+
     @torch.inference_mode()
     def commit(self, ctx_rows, result) -> None:
-        rows, slots, positions = [], [], []
+        dev = self.engine.device
         for seq, start, kept in ctx_rows:
             if seq.is_finished or not kept:
                 continue
-            rows.extend(kept)
-            slots.extend(self.engine.pool.slots(seq.seq_id, start, start + len(kept)))
-            positions.extend(range(start, start + len(kept)))
-        if rows:
+            feats = result.feats[torch.tensor(kept, device=dev)]  # a copy: graph outputs are reused
+            self._pending.append((seq, seq.num_preemptions, start, feats))
+            self._pending_rows += len(kept)
+        if self._skip_steps == 0 or self._pending_rows > self.MAX_PENDING_ROWS:
+            self._flush_context()
+
+    def _flush_context(self) -> None:
+        """Write every pending position into the drafter's cache. A request that finished or was
+        preempted since is skipped: its pages are gone, or its new prefill rewrites them."""
+        pending, self._pending, self._pending_rows = self._pending, [], 0
+        feats, slots, positions = [], [], []
+        for seq, preemptions, start, f in pending:
+            if seq.is_finished or seq.num_preemptions != preemptions:
+                continue
+            feats.append(f)
+            slots.extend(self.engine.pool.slots(seq.seq_id, start, start + f.shape[0]))
+            positions.extend(range(start, start + f.shape[0]))
+        if feats:
             dev = self.engine.device
-            feats = result.feats[torch.tensor(rows, device=dev)]
-            self.drafter.write_context(feats, torch.tensor(positions, device=dev),
+            self.drafter.write_context(torch.cat(feats), torch.tensor(positions, device=dev),
                                        torch.tensor(slots, device=dev), self.kv)

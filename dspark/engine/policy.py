@@ -27,20 +27,25 @@ import torch
 class CostModel:
     """Seconds of a decode step as a function of tokens in its target pass (piecewise linear).
 
-    It starts from a start-up profile of bare target passes, made non-decreasing when built:
-    timing noise on a shared machine only ever adds time, and a pass with more tokens never costs
-    less, so each entry is capped by the cheapest entry at or after it. `observe` then moves the
-    table towards the steps the engine really runs (attention over longer contexts than the
-    profile's, acceptance and cache bookkeeping, a machine busier or quieter than at start-up):
-    a normalized least-mean-squares step on the two entries around n (a running mean at first,
-    then a fixed rate), so plain steps teach the cost at n = R and verification steps the slope
-    above it."""
+    `seconds` starts as a start-up profile of bare target passes and `observe` moves it towards
+    the steps the engine really runs (attention over longer contexts than the profile's,
+    acceptance and cache bookkeeping, a machine busier or quieter than at start-up): the two
+    entries around n are scaled towards the observed / predicted ratio by their interpolation
+    weights, so plain steps teach the cost at n = R and verification steps the slope above it.
+    Each entry starts with PRIOR observations' weight and learns at no less than RATE; one step
+    pulls towards at most CLAMP x (or 1 / CLAMP) of the prediction.
+
+    Prices come from the table's non-decreasing envelope from above (each entry capped by the
+    cheapest at or after it), kept apart from what was learned: a pass with more tokens never
+    costs less, and profile noise on a shared machine only ever adds time. The envelope errs
+    towards cheap: a token count priced too cheaply gets verified, observed and corrected, while
+    one priced too dearly would never be tried again."""
 
     tokens: list[int]
     seconds: list[float]
     seen: list[float] = field(default_factory=list)  # observations folded into each entry (weighted)
-    RATE = 0.1  # the least share of a step's prediction error corrected per observation
-    CLAMP = 10.0  # one odd step moves the prediction towards at most CLAMP x (or 1/CLAMP) of it
+    frozen: bool = False  # observe() learns nothing: a cost model given by hand stays as given
+    PRIOR, RATE, CLAMP = 3.0, 0.1, 3.0
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.seconds):
@@ -49,15 +54,21 @@ class CostModel:
             raise ValueError(f"cost profile token counts must ascend: {self.tokens}")
         if any(not s > 0 for s in self.seconds):
             raise ValueError(f"cost profile times must be positive: {self.seconds}")
+        self.seen = list(self.seen) or [self.PRIOR] * len(self.tokens)
+        if len(self.seen) != len(self.tokens):
+            raise ValueError("a cost profile needs one observation count per token count")
+        self.seconds = list(self.seconds)
+        self._envelope()
+
+    def _envelope(self) -> None:
         capped, low = [], float("inf")
         for s in reversed(self.seconds):
             low = min(low, s)
             capped.append(low)
-        self.seconds = capped[::-1]
-        self.seen = self.seen or [0.0] * len(self.tokens)
+        self.priced = capped[::-1]
 
     def _weights(self, n: int) -> list[tuple[int, float]]:
-        """(table index, weight) pairs whose weighted sum of seconds is the cost of n tokens."""
+        """(table index, weight) pairs whose weighted sum of entries is the cost of n tokens."""
         xs = self.tokens
         if n <= xs[0]:
             return [(0, 1.0)]
@@ -68,23 +79,23 @@ class CostModel:
         return [(i - 1, 1.0 - w), (i, w)]
 
     def __call__(self, n: int) -> float:
-        return sum(self.seconds[i] * w for i, w in self._weights(n))
+        return sum(self.priced[i] * w for i, w in self._weights(n))
 
     def observe(self, n: int, seconds: float) -> None:
         """Fold one real step of n target tokens that took `seconds` (drafter pass excluded)."""
-        if n < 1 or not seconds > 0:
+        if self.frozen or n < 1 or not seconds > 0:
             return
-        pred = self(n)
-        err = min(self.CLAMP * pred, max(pred / self.CLAMP, seconds)) - pred
-        ws = self._weights(n)
-        norm = sum(w * w for _, w in ws)
-        # a running mean over the first steps near n (real steps beat the bare profile), then an EMA
-        rate = max(self.RATE, 1.0 / (1.0 + sum(self.seen[i] * w for i, w in ws) / sum(w for _, w in ws)))
+        ws = [(i, min(1.0, w)) for i, w in self._weights(n) if w > 0]
+        pred = sum(self.seconds[i] * w for i, w in self._weights(n))
+        ratio = min(self.CLAMP, max(1.0 / self.CLAMP, seconds / pred))
         for i, w in ws:
-            self.seconds[i] = max(1e-9, self.seconds[i] + rate * err * w / norm)
-            self.seen[i] += min(1.0, w)
-        for i in range(1, len(self.seconds)):  # keep it non-decreasing: learned costs may cross
-            self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
+            # a running mean over the first steps near this entry (after the profile's PRIOR),
+            # then an EMA; scaled, not shifted, so an entry the data pins down only in a sum with
+            # its neighbour keeps the profile's proportions and stays positive
+            rate = w * max(self.RATE, 1.0 / (1.0 + self.seen[i]))
+            self.seconds[i] *= 1.0 + rate * (ratio - 1.0)
+            self.seen[i] += w
+        self._envelope()
 
 
 class Policy:

@@ -98,6 +98,7 @@ class NeuralSpecRunner(SpecRunner):
         active = [s for s in seqs if self.draft_budget(s) > 0]
         if not active:
             return {}
+        other_tokens += len(seqs) - len(active)  # their anchors ride in the pass, as prefill does
         if self._skip_steps > 0:
             self._skip_steps -= 1
             for s in active:

@@ -44,7 +44,9 @@ class NeuralSpecRunner(SpecRunner):
         self.draft_seconds: dict[int, float] = {}  # EMA of a drafter pass's wall time, by batch size
         self.num_draft_passes = 0
         self._skip_steps, self._backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
-        self._pending: list[tuple[Sequence, int, int, torch.Tensor]] = []  # deferred context writes
+        # deferred context writes, one entry per step: (features of its kept rows, and for each
+        # request in row order (seq, its preemption count then, first position, rows))
+        self._pending: list[tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]] = []
         self._pending_rows = 0
 
     def calibrate(self) -> None:
@@ -105,8 +107,6 @@ class NeuralSpecRunner(SpecRunner):
                 self._proposed[s.seq_id] = 0
             return {}
         t0 = time.perf_counter()
-        if self._pending:  # commit flushes once the pause ends; this keeps the drafter's view whole
-            self._flush_context()
         dc, dev = self.drafter.config, self.engine.device
         B, nd, R = dc.block_size, dc.num_drafts, len(active)
         items = [(s, [s.output_ids[-1]] + [dc.mask_token_id] * (B - 1)) for s in active]
@@ -210,19 +210,22 @@ class NeuralSpecRunner(SpecRunner):
         return q
 
     # While drafting is paused nothing reads the drafter's context, so the K/V of the positions
-    # committed meanwhile wait and go in one batched write just before the next drafter pass: a
-    # write of a few rows per step costs ~4% of a small CPU step, most of it per-call overhead.
+    # committed meanwhile wait and go in one batched write once the pause ends: a write of a few
+    # rows per step costs ~4% of a small CPU step, most of it per-call overhead. Every commit
+    # leaves nothing pending unless drafting is paused, so no drafter pass sees a stale context.
     MAX_PENDING_ROWS = 8192  # past this, write anyway (bounded memory under a flood of prefills)
 
     @torch.inference_mode()
     def commit(self, ctx_rows, result) -> None:
-        dev = self.engine.device
+        rows, entries = [], []
         for seq, start, kept in ctx_rows:
             if seq.is_finished or not kept:
                 continue
-            feats = result.feats[torch.tensor(kept, device=dev)]  # a copy: graph outputs are reused
-            self._pending.append((seq, seq.num_preemptions, start, feats))
-            self._pending_rows += len(kept)
+            rows.extend(kept)
+            entries.append((seq, seq.num_preemptions, start, len(kept)))
+        if rows:  # one gather, a copy: CUDA graph outputs are overwritten by the next replay
+            self._pending.append((result.feats[torch.tensor(rows, device=self.engine.device)], entries))
+            self._pending_rows += len(rows)
         if self._skip_steps == 0 or self._pending_rows > self.MAX_PENDING_ROWS:
             self._flush_context()
 
@@ -231,13 +234,17 @@ class NeuralSpecRunner(SpecRunner):
         preempted since is skipped: its pages are gone, or its new prefill rewrites them."""
         pending, self._pending, self._pending_rows = self._pending, [], 0
         feats, slots, positions = [], [], []
-        for seq, preemptions, start, f in pending:
-            if seq.is_finished or seq.num_preemptions != preemptions:
-                continue
-            feats.append(f)
-            slots.extend(self.engine.pool.slots(seq.seq_id, start, start + f.shape[0]))
-            positions.extend(range(start, start + f.shape[0]))
+        for f, entries in pending:
+            keep, at = [], 0
+            for seq, preemptions, start, n in entries:
+                if not seq.is_finished and seq.num_preemptions == preemptions:
+                    keep.extend(range(at, at + n))
+                    slots.extend(self.engine.pool.slots(seq.seq_id, start, start + n))
+                    positions.extend(range(start, start + n))
+                at += n
+            if keep:
+                feats.append(f if len(keep) == at else f[torch.tensor(keep, device=f.device)])
         if feats:
             dev = self.engine.device
-            self.drafter.write_context(torch.cat(feats), torch.tensor(positions, device=dev),
-                                       torch.tensor(slots, device=dev), self.kv)
+            self.drafter.write_context(feats[0] if len(feats) == 1 else torch.cat(feats),
+                                       torch.tensor(positions, device=dev), torch.tensor(slots, device=dev), self.kv)

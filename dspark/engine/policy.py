@@ -85,13 +85,14 @@ class CostModel:
         """Fold one real step of n target tokens that took `seconds` (drafter pass excluded)."""
         if self.frozen or n < 1 or not seconds > 0:
             return
-        ws = [(i, min(1.0, w)) for i, w in self._weights(n) if w > 0]
-        pred = sum(self.seconds[i] * w for i, w in self._weights(n))
+        ws = self._weights(n)
+        pred = sum(self.seconds[i] * w for i, w in ws)
         ratio = min(self.CLAMP, max(1.0 / self.CLAMP, seconds / pred))
         for i, w in ws:
             # a running mean over the first steps near this entry (after the profile's PRIOR),
             # then an EMA; scaled, not shifted, so an entry the data pins down only in a sum with
             # its neighbour keeps the profile's proportions and stays positive
+            w = min(1.0, w)  # past the last entry the weight is n / tokens[-1]: learn at full rate
             rate = w * max(self.RATE, 1.0 / (1.0 + self.seen[i]))
             self.seconds[i] *= 1.0 + rate * (ratio - 1.0)
             self.seen[i] += w

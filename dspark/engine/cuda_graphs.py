@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.attention import AttnBatch
+from dspark.engine.attention import AttnBatch, make_backend
+from dspark.engine.flashinfer_backend import StaticBatch
 
 SCRATCH_TOKENS = 64  # cache slots kept outside the page pool for padding requests (blocks up to 63)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, object], tuple]  # (ids, positions, attn) -> tensors
@@ -149,3 +150,34 @@ class GraphPool:
             e.graph.replay()
             outputs = e.outputs
         return tuple(o[rows] if o is not None else None for o in outputs)
+
+
+def install_graphs(engine, capture: bool = True) -> None:
+    """Serve an engine's uniform forwards from padded CUDA graphs at a ladder of batch sizes:
+    plain decode and chain verification in its model runner, the drafter's block in its spec
+    runner. capture=False pads the same way but runs eagerly (how the CPU tests check the
+    padding)."""
+    cfg, device = engine.config, engine.device
+    ladder = list(cfg.cuda_graph_batch_sizes or default_ladder(cfg.max_num_seqs))
+    max_pages = -(-(engine.max_model_len + SCRATCH_TOKENS) // cfg.page_size) + 1  # a table plus padding
+    workspace = getattr(engine.attn, "workspace", None)
+
+    def pool(fn, tokens: int, mask: str = "causal") -> GraphPool:
+        def make_attn(n: int):
+            return make_backend(cfg.attention_backend, device, StaticBatch(n, tokens, max_pages), workspace)
+        return GraphPool(fn, make_attn, ladder, tokens, mask, engine.scratch_pages, cfg.page_size, device, capture)
+
+    runner, spec = engine.runner, engine.spec
+    layers = spec.capture_layers
+
+    def target(ids, pos, attn):
+        return runner.model(ids, pos, attn, runner.kv, layers)
+
+    runner.graphs = {q: pool(target, q) for q in sorted({1, 1 + spec.block_size})}
+    runner.graph_capture_layers = layers
+    if spec.block_forward is not None:
+        spec.graphs = pool(spec.block_forward, spec.drafter.config.block_size, "full")
+    if capture:
+        for p in [*runner.graphs.values(), spec.graphs]:
+            if p is not None:
+                p.capture_all()

@@ -17,9 +17,8 @@ import torch
 
 from dspark.config import EngineConfig, SamplingParams
 from dspark.engine.attention import make_backend
-from dspark.engine.cuda_graphs import SCRATCH_TOKENS, GraphPool, default_ladder
+from dspark.engine.cuda_graphs import SCRATCH_TOKENS, install_graphs
 from dspark.engine.detokenizer import decode_new_text, find_stop
-from dspark.engine.flashinfer_backend import StaticBatch
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.model_runner import ModelRunner
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
@@ -75,34 +74,8 @@ class Engine:
         self._finished_pending: list[Sequence] = []
 
     def enable_graphs(self, capture: bool = True) -> None:
-        """Serve uniform forwards from padded CUDA graphs at a ladder of batch sizes: plain decode
-        and chain verification here, the drafter's block in the spec runner. capture=False pads
-        the same way but runs eagerly (how the CPU tests check the padding)."""
-        cfg = self.config
-        ladder = list(cfg.cuda_graph_batch_sizes or default_ladder(cfg.max_num_seqs))
-        max_pages = -(-(self.max_model_len + SCRATCH_TOKENS) // cfg.page_size) + 1  # a table plus padding
-
-        def pool(fn, tokens: int, mask: str = "causal") -> GraphPool:
-            def make_attn(n: int):
-                return make_backend(cfg.attention_backend, self.device, StaticBatch(n, tokens, max_pages),
-                                    getattr(self.attn, "workspace", None))
-            return GraphPool(fn, make_attn, ladder, tokens, mask, self.scratch_pages, cfg.page_size,
-                             self.device, capture)
-
-        runner, layers = self.runner, self.spec.capture_layers
-
-        def target(ids, pos, attn):
-            return runner.model(ids, pos, attn, runner.kv, layers)
-
-        sizes = sorted({1, 1 + self.spec.block_size})
-        runner.graphs = {q: pool(target, q) for q in sizes}
-        runner.graph_capture_layers = layers
-        if self.spec.block_forward is not None:
-            self.spec.graphs = pool(self.spec.block_forward, self.spec.drafter.config.block_size, "full")
-        if capture:
-            for p in [*runner.graphs.values(), self.spec.graphs]:
-                if p is not None:
-                    p.capture_all()
+        """Serve uniform forwards from padded CUDA graphs (cuda_graphs.install_graphs)."""
+        install_graphs(self, capture)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int] | list[dict],
@@ -320,23 +293,7 @@ class Engine:
             if seq.seq_id in seen:
                 continue
             seen.add(seq.seq_id)
-            outs.append(self._output(seq))
+            outs.append(seq.take_output())
             if seq.is_finished:
                 self.seqs.pop(seq.request_id, None)
         return outs
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        # hold back text that could still turn out to start a stop string
-        hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
-        shown = max(seq.reported_chars, len(seq.text) - hold)
-        new_ids = seq.output_ids[seq.reported_tokens:]
-        new_text = seq.text[seq.reported_chars:shown]
-        seq.reported_tokens, seq.reported_chars = len(seq.output_ids), shown
-        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
-        end = seq.finish_time or time.perf_counter()
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_ids, token_ids=list(seq.output_ids),
-            text=seq.text, new_token_ids=new_ids, new_text=new_text, finished=seq.is_finished,
-            finish_reason=seq.finish_reason, stats=seq.stats, ttft=ttft,
-            decode_time=end - seq.first_token_time if seq.first_token_time else None,
-            num_preemptions=seq.num_preemptions)

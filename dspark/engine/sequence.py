@@ -100,6 +100,23 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def take_output(self) -> RequestOutput:
+        """What is new since the last call (tokens and text), plus the totals so far."""
+        # hold back text that could still turn out to start a stop string
+        hold = 0 if self.is_finished else max((len(s) - 1 for s in self.params.stop), default=0)
+        shown = max(self.reported_chars, len(self.text) - hold)
+        new_ids = self.output_ids[self.reported_tokens:]
+        new_text = self.text[self.reported_chars:shown]
+        self.reported_tokens, self.reported_chars = len(self.output_ids), shown
+        ttft = self.first_token_time - self.arrival_time if self.first_token_time else None
+        end = self.finish_time or time.perf_counter()
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt_ids, token_ids=list(self.output_ids),
+            text=self.text, new_token_ids=new_ids, new_text=new_text, finished=self.is_finished,
+            finish_reason=self.finish_reason, stats=self.stats, ttft=ttft,
+            decode_time=end - self.first_token_time if self.first_token_time else None,
+            num_preemptions=self.num_preemptions)
+
 
 @dataclass
 class RequestOutput:

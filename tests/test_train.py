@@ -156,6 +156,23 @@ def test_target_features_match_hf(tiny_folder, target):
     assert torch.allclose(target.lm_head(final), out.logits, atol=1e-3)
 
 
+def test_paged_capture_matches_training_features_in_listed_order(target):
+    """The serving forward concatenates captured layers in the drafter's order, like training,
+    even when that order is not sorted."""
+    from dspark.engine.attention import AttnBatch, TorchAttention
+    from dspark.engine.kv_cache import KVCache
+
+    c = target.config
+    ids = torch.tensor([[1, 500, 600, 700, 800, 900, 1000, 42]])
+    kv = KVCache(c.num_hidden_layers, 1, 16, c.num_key_value_heads, c.head_dim, torch.float32, "cpu")
+    attn = TorchAttention("cpu")
+    attn.plan(AttnBatch(q_lens=[8], kv_lens=[8], page_tables=[[0]], page_size=16, mask="causal"))
+    with torch.no_grad():
+        ref, _ = target_features(target, ids, [2, 0])
+        _, feats = target(ids[0], torch.arange(8), attn, kv, (2, 0))
+    assert torch.allclose(feats, ref[0], atol=1e-4)
+
+
 def test_multi_anchor_equals_single_and_inference_path(target):
     from dspark.engine.attention import AttnBatch, TorchAttention
     from dspark.engine.kv_cache import KVCache

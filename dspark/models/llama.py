@@ -223,12 +223,13 @@ class LlamaModel(nn.Module):
         """Returns (final normed hidden [N, H], concatenated captured layers [N, m*H] or None)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
-        taken = []
+        taken = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, attn, kv.k[i], kv.v[i])
             if i in capture:
-                taken.append(h)
-        feats = torch.cat([taken[capture.index(i)] for i in capture], -1) if capture else None
+                taken[i] = h
+        # in the order the drafter lists its layers, which need not be sorted
+        feats = torch.cat([taken[i] for i in capture], -1) if capture else None
         return self.norm(h), feats
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dspark.engine.attention import AttnBatch, make_backend
 from dspark.engine.flashinfer_backend import StaticBatch
+
+if TYPE_CHECKING:
+    from dspark.engine.engine import Engine
 
 SCRATCH_TOKENS = 64  # cache slots kept outside the page pool for padding requests (blocks up to 63)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, object], tuple]  # (ids, positions, attn) -> tensors
@@ -152,7 +156,7 @@ class GraphPool:
         return tuple(o[rows] if o is not None else None for o in outputs)
 
 
-def install_graphs(engine, capture: bool = True) -> None:
+def install_graphs(engine: Engine, capture: bool = True) -> None:
     """Serve an engine's uniform forwards from padded CUDA graphs at a ladder of batch sizes:
     plain decode and chain verification in its model runner, the drafter's block in its spec
     runner. capture=False pads the same way but runs eagerly (how the CPU tests check the

@@ -66,12 +66,19 @@ def test_bench_hf_vs_ar(model: None, tmp_path: pathlib.Path, capsys: pytest.Capt
     assert "speedup_vs_ar" in report["methods"]["hf"]
 
 
-def test_bench_reports_failing_method(model: None, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["bench", "--prompts", str(_prompts(tmp_path)), "--num-prompts", "1", "--max-tokens", "2",
-               "--methods", "dspark", "--drafter", str(tmp_path / "missing"), "--warmup", "0",
-               "--kv-cache-tokens", "1024", "--threads", "1"])
+@pytest.mark.parametrize("order", [[], ["--sequential"]], ids=["interleaved", "sequential"])
+def test_bench_reports_failing_method(model: None, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                                      order: list[str]) -> None:
+    """A method that cannot load is reported as an error; the others still run, in either order."""
+    rc = main(["bench", "--prompts", str(_prompts(tmp_path)), "--num-prompts", "2", "--max-tokens", "2",
+               "--methods", "dspark,ar", "--drafter", str(tmp_path / "missing"), "--warmup", "0",
+               "--kv-cache-tokens", "1024", "--threads", "1", *order])
     assert rc == 0
-    assert "error" in json.loads(capsys.readouterr().out)["methods"]["dspark"]
+    report = json.loads(capsys.readouterr().out)
+    assert report["interleaved"] is not bool(order)
+    assert "error" in report["methods"]["dspark"]
+    ar = report["methods"]["ar"]
+    assert "error" not in ar and ar["requests"] == 2 and ar["matches_ar"] == 1.0
 
 
 def test_bench_roofline_tiny_shape(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,3 +105,30 @@ def test_bench_roofline_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]
     assert "batch sizes must be >= 1" in capsys.readouterr().err
     assert main(["bench", "roofline", "--shape", "tiny", "--device", "cpu", "--verify-tokens", "0"]) != 0
     assert "--verify-tokens" in capsys.readouterr().err
+
+
+def test_interleaved_order_rotates_and_drops_failures() -> None:
+    """Each group is run by every live method, the order rotated by one per group; a method that
+    fails mid-run is reported and left out of later groups."""
+    from dspark.bench.offline import MethodRun, _measure_interleaved
+
+    log: list[tuple[str, int]] = []
+
+    class Fake:
+        def __init__(self, name: str):
+            self.name, self.run = name, MethodRun()
+
+        def warm(self, prompts: list) -> None:
+            log.append((self.name, -1))
+
+        def measure(self, group: list) -> None:
+            if self.name == "c" and group == [2]:
+                raise RuntimeError("boom")
+            log.append((self.name, group[0]))
+
+    errors: dict[str, str] = {}
+    runs = _measure_interleaved(Fake, ["a", "b", "c"], [[0], [1], [2], [3]], [], errors)
+    assert log[:3] == [("a", -1), ("b", -1), ("c", -1)]
+    assert log[3:] == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
+                       ("a", 2), ("b", 2), ("b", 3), ("a", 3)]
+    assert set(runs) == {"a", "b"} and errors == {"c": "RuntimeError: boom"}

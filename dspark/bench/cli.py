@@ -43,6 +43,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction,
                    help="feed prompts as raw text instead of a user chat message")
     p.add_argument("--warmup", type=int, default=1, help="prompts run once before timing each method")
     p.add_argument("--output", default=None, help="also write the JSON report to this file")
+    p.add_argument("--sequential", action="store_true",
+                   help="run one method after another with one model in memory (default: all methods "
+                        "loaded, taking turns per prompt group, so machine drift hits them alike)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     p.set_defaults(func=cmd_bench)
@@ -89,7 +92,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise FileNotFoundError("no default prompts file (../shared/data/dev_prompts.jsonl); pass --prompts")
     prompts = load_prompts(path, args.num_prompts, args.category)
     report = run_bench(engine_config(args), methods, prompts, batch_size=args.batch_size,
-                       max_tokens=args.max_tokens, warmup=args.warmup, chat=args.chat)
+                       max_tokens=args.max_tokens, warmup=args.warmup, chat=args.chat,
+                       interleave=not args.sequential)
     report["prompts"] = str(path)
     report["category"] = args.category
     text = json.dumps(report, indent=2)

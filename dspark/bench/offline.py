@@ -13,6 +13,10 @@ Timing definitions (prefill excluded from decode speed):
 * HF: ``generate(max_new_tokens=1)`` on the same batch gives the group's TTFT; the decode window
   is the full ``generate`` time minus that TTFT.
 * ``decode_tok_s`` = sum over groups of (generated tokens - 1 per request) / sum of decode windows.
+* Order: by default every method is loaded at once and each group is run by every method in
+  turn (the order rotated per group), so a machine whose speed drifts slows all methods alike;
+  ``--sequential`` runs one method at a time (one model in memory, for models that do not fit
+  several times).
 """
 
 from __future__ import annotations
@@ -85,28 +89,33 @@ def method_config(cfg: EngineConfig, method: str) -> EngineConfig:
     return dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, **ENGINE_METHODS[method]))
 
 
-def run_engine(cfg: EngineConfig, prompt_ids: list[list[int]], batch_size: int, max_tokens: int,
-               warmup: int) -> MethodRun:
-    """Load our engine with ``cfg`` and generate greedily, one ``generate`` call per group."""
-    from dspark.llm import LLM
+class EngineMethod:
+    """One of our engine methods, loaded once; ``measure`` times one group (one ``generate`` call)."""
 
-    t = time.perf_counter()
-    llm = LLM.from_config(cfg)
-    run = MethodRun(load_s=time.perf_counter() - t, stats=[], drafter=getattr(llm.engine.spec, "name", None))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    if warmup > 0:
-        llm.generate(prompt_ids[:warmup], params)
-    for group in _groups(prompt_ids, batch_size):
+    def __init__(self, cfg: EngineConfig, max_tokens: int):
+        from dspark.llm import LLM
+
+        t = time.perf_counter()
+        self.llm = LLM.from_config(cfg)
+        self.run = MethodRun(load_s=time.perf_counter() - t, stats=[],
+                             drafter=getattr(self.llm.engine.spec, "name", None))
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    def warm(self, prompt_ids: list[list[int]]) -> None:
+        if prompt_ids:
+            self.llm.generate(prompt_ids, self.params)
+
+    def measure(self, group: list[list[int]]) -> None:
         t0 = time.perf_counter()
-        outs = llm.generate(group, params)
+        outs = self.llm.generate(group, self.params)
         t1 = time.perf_counter()
         ttfts = [o.ttft or 0.0 for o in outs]
+        run = self.run
         run.decode_time += t1 - (t0 + max(ttfts))
         run.decode_tokens += sum(max(0, len(o.token_ids) - 1) for o in outs)
         run.ttfts += ttfts
         run.token_ids += [list(o.token_ids) for o in outs]
         run.stats += [o.stats for o in outs]
-    return run
 
 
 def _trim(row: list[int], eos_ids: set[int]) -> list[int]:
@@ -114,50 +123,52 @@ def _trim(row: list[int], eos_ids: set[int]) -> list[int]:
     return row[:next((i + 1 for i, tok in enumerate(row) if tok in eos_ids), len(row))]
 
 
-def run_hf(cfg: EngineConfig, folder: str, prompt_ids: list[list[int]], batch_size: int,
-           max_tokens: int, warmup: int) -> MethodRun:
+class HFMethod:
     """transformers ``generate`` (greedy, left-padded batches) in the engine's dtype and device."""
-    import transformers
-    from transformers import AutoModelForCausalLM
 
-    from dspark.models.loader import load_config, load_tokenizer
+    def __init__(self, cfg: EngineConfig, folder: str, max_tokens: int):
+        import transformers
+        from transformers import AutoModelForCausalLM
 
-    device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
-    cuda = device.startswith("cuda")
-    t = time.perf_counter()
-    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    model = AutoModelForCausalLM.from_pretrained(folder, **{key: dtype}).to(device).eval()
-    tok = load_tokenizer(folder)
-    run = MethodRun(load_s=time.perf_counter() - t)
-    eos = load_config(folder).get("eos_token_id")
-    eos_ids = (set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}) - {None}
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        from dspark.models.loader import load_config, load_tokenizer
 
-    def generate(group: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+        self.device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
+        self.cuda, self.max_tokens = self.device.startswith("cuda"), max_tokens
+        t = time.perf_counter()
+        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        self.model = AutoModelForCausalLM.from_pretrained(folder, **{key: dtype}).to(self.device).eval()
+        tok = load_tokenizer(folder)
+        self.run = MethodRun(load_s=time.perf_counter() - t)
+        eos = load_config(folder).get("eos_token_id")
+        self.eos_ids = (set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}) - {None}
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def _generate(self, group: list[list[int]], n: int) -> tuple[list[list[int]], float]:
         width = max(len(p) for p in group)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
-        _sync(cuda)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in group], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=self.device)
+        _sync(self.cuda)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                 pad_token_id=pad, eos_token_id=sorted(eos_ids), temperature=None,
-                                 top_p=None, top_k=None)
-        _sync(cuda)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                      pad_token_id=self.pad, eos_token_id=sorted(self.eos_ids),
+                                      temperature=None, top_p=None, top_k=None)
+        _sync(self.cuda)
         elapsed = time.perf_counter() - t0
-        return [_trim(r, eos_ids) for r in out[:, width:].tolist()], elapsed
+        return [_trim(r, self.eos_ids) for r in out[:, width:].tolist()], elapsed
 
-    if warmup > 0:
-        generate(prompt_ids[:warmup], 1)
-        generate(prompt_ids[:warmup], max_tokens)
-    for group in _groups(prompt_ids, batch_size):
-        _, ttft = generate(group, 1)
-        rows, total = generate(group, max_tokens)
-        run.decode_time += max(0.0, total - ttft)
-        run.decode_tokens += sum(max(0, len(r) - 1) for r in rows)
-        run.ttfts += [ttft] * len(group)
-        run.token_ids += rows
-    return run  # the model is freed when this frame goes; run_bench then collects
+    def warm(self, prompt_ids: list[list[int]]) -> None:
+        if prompt_ids:
+            self._generate(prompt_ids, 1)
+            self._generate(prompt_ids, self.max_tokens)
+
+    def measure(self, group: list[list[int]]) -> None:
+        _, ttft = self._generate(group, 1)
+        rows, total = self._generate(group, self.max_tokens)
+        self.run.decode_time += max(0.0, total - ttft)
+        self.run.decode_tokens += sum(max(0, len(r) - 1) for r in rows)
+        self.run.ttfts += [ttft] * len(group)
+        self.run.token_ids += rows
 
 
 def _spec_summary(stats: list[Any]) -> dict[str, Any]:
@@ -197,9 +208,58 @@ def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[st
     return out
 
 
+def _measure_sequential(load, methods: list[str], groups: list, warm: list, errors: dict,
+                        free) -> dict[str, MethodRun]:
+    """One method at a time: load, warm, every group, free. Only one model is in memory at once."""
+    runs = {}
+    for method in methods:
+        print(f"[bench] {method} ...", file=sys.stderr, flush=True)
+        try:
+            m = load(method)
+            m.warm(warm)
+            for group in groups:
+                m.measure(group)
+            runs[method] = m.run
+        except Exception as e:  # one failing method (e.g. a drafter still being written) must not sink the rest
+            errors[method] = f"{type(e).__name__}: {e}"
+            print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
+        m = None
+        free()
+    return runs
+
+
+def _measure_interleaved(load, methods: list[str], groups: list, warm: list, errors: dict) -> dict[str, MethodRun]:
+    """Every method loaded at once, then each group run by every method in turn, the order rotated
+    by one per group: a machine whose speed drifts (a shared CPU, clocks, other work) slows every
+    method alike instead of whichever happened to run during the slow minutes."""
+    live = {}
+    for method in methods:
+        print(f"[bench] loading {method} ...", file=sys.stderr, flush=True)
+        try:
+            live[method] = load(method)
+            live[method].warm(warm)
+        except Exception as e:
+            errors[method] = f"{type(e).__name__}: {e}"
+            live.pop(method, None)
+            print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
+    for i, group in enumerate(groups):
+        names = list(live)
+        k = i % len(names) if names else 0
+        for method in names[k:] + names[:k]:
+            try:
+                live[method].measure(group)
+            except Exception as e:
+                errors[method] = f"{type(e).__name__}: {e}"
+                del live[method]
+                print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
+    return {m: live[m].run for m in methods if m in live}
+
+
 def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_size: int,
-              max_tokens: int, warmup: int, chat: bool = True) -> dict[str, Any]:
-    """Run every method on ``prompts`` and return the report (one JSON-able dict)."""
+              max_tokens: int, warmup: int, chat: bool = True, interleave: bool = True) -> dict[str, Any]:
+    """Run every method on ``prompts`` and return the report (one JSON-able dict).
+    ``interleave``: all methods in memory, taking turns per group (see _measure_interleaved);
+    else one after another."""
     import transformers
 
     from dspark.models.loader import load_tokenizer, resolve_model_folder
@@ -208,24 +268,25 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
     load_before = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     folder = resolve_model_folder(cfg.model)
     prompt_ids = encode_prompts(load_tokenizer(folder), prompts, chat)
-    runs: dict[str, MethodRun] = {}
+
+    def load(method: str) -> EngineMethod | HFMethod:
+        if method == "hf":
+            return HFMethod(cfg, folder, max_tokens)
+        return EngineMethod(method_config(cfg, method), max_tokens)
+
     errors: dict[str, str] = {}
-    for method in methods:
-        print(f"[bench] {method} ...", file=sys.stderr, flush=True)
-        try:
-            runs[method] = (run_hf(cfg, folder, prompt_ids, batch_size, max_tokens, warmup) if method == "hf"
-                            else run_engine(method_config(cfg, method), prompt_ids, batch_size, max_tokens, warmup))
-        except Exception as e:  # one failing method (e.g. a drafter still being written) must not sink the rest
-            errors[method] = f"{type(e).__name__}: {e}"
-            print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
-        _free(cfg.resolved_device())
+    groups, warm, device = _groups(prompt_ids, batch_size), prompt_ids[:warmup], cfg.resolved_device()
+    if interleave:
+        runs = _measure_interleaved(load, methods, groups, warm, errors)
+    else:
+        runs = _measure_sequential(load, methods, groups, warm, errors, free=lambda: _free(device))
     ref = {k: runs[k] for k in ("ar", "hf") if k in runs}
     results = {m: ({"error": errors[m]} if m in errors else summarize(m, runs[m], ref)) for m in methods}
     return {
-        "device": cfg.resolved_device(), "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
+        "device": device, "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
         "model": folder, "torch": torch.__version__, "transformers": transformers.__version__,
         "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "loadavg_1m_before": load_before, "batch_size": batch_size, "num_prompts": len(prompts),
-        "max_tokens": max_tokens, "warmup": warmup, "chat": chat,
+        "max_tokens": max_tokens, "warmup": warmup, "chat": chat, "interleaved": interleave,
         "drafter": cfg.spec.drafter, "block_size": cfg.spec.block_size, "spec_policy": cfg.spec.policy,
         "methods": results, "wall_s": round(time.perf_counter() - t_start, 2)}

@@ -159,6 +159,32 @@ def test_tree_top_is_a_subtree():
             assert sorted(sub.scores) == sorted(tree.scores[i] for i in tree.ranked()[:n])
 
 
+def test_build_trees_in_draft_vocab_equals_target_vocab():
+    """Trees built over a reduced draft vocabulary (mapped back to target ids) are the trees built
+    over the target vocabulary with -inf logits and a zero Markov bias outside it."""
+    g = torch.Generator().manual_seed(1)
+    V, Vd = 50, 20
+    vocab = torch.randperm(V, generator=g)[:Vd].sort().values
+    w = torch.randn(V, Vd, generator=g)
+
+    def markov_draft(prev: torch.Tensor) -> torch.Tensor:
+        return w[prev]
+
+    def markov_target(prev: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*prev.shape, V).index_copy(-1, vocab, w[prev])
+
+    for _ in range(20):
+        base = torch.randn(2, 4, Vd, generator=g) * 3
+        full = torch.full((2, 4, V), float("-inf")).index_copy(-1, vocab, base)
+        anchors = torch.randint(0, V, (2,), generator=g)
+        small = build_trees(base, anchors, markov_draft, [7, 5], [4, 3], topk=2, vocab=vocab)
+        big = build_trees(full, anchors, markov_target, [7, 5], [4, 3], topk=2)
+        for a, b in zip(small, big):
+            assert (a.tokens, a.parents, a.depths) == (b.tokens, b.parents, b.depths)
+            assert a.scores == pytest.approx(b.scores, rel=1e-5)
+            assert all(t in vocab.tolist() for t in a.tokens)
+
+
 def test_threshold_and_make_policy():
     conf = torch.tensor([[0.9, 0.4, 0.9], [0.2, 0.9, 0.9]])
     assert ThresholdPolicy(0.5).choose([3, 3], conf) == [1, 1]  # at least one token

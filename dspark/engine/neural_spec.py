@@ -118,7 +118,8 @@ class NeuralSpecRunner(SpecRunner):
         h = out[0].view(R, B, -1)
         h = self.drafter.draft_hidden(h)
         if self.cfg.tree:
-            trees = self._propose_trees(active, self.drafter.head(h), other_tokens, self.estimated_draft_seconds(R))
+            trees = self._propose_trees(active, self.drafter.draft_logits(h), other_tokens,
+                                        self.estimated_draft_seconds(R))
             self._record_pass(R, time.perf_counter() - t0)
             return trees
         greedy = all(s.params.greedy for s in active)
@@ -169,14 +170,15 @@ class NeuralSpecRunner(SpecRunner):
 
     def _propose_trees(self, active: list[Sequence], base: torch.Tensor, other_tokens: int,
                        draft_seconds: float) -> dict[int, DraftTree | list[int]]:
-        """Top-k children per node through the Markov head, pruned to the node budget, then to
+        """base: [R, num_drafts, draft vocab] logits.
+        Top-k children per node through the Markov head, pruned to the node budget, then to
         what the policy admits (load-aware: by joint draft probability, like a chain's survival).
         Children are tried as one-hot proposals, so no q is kept."""
         anchors = torch.tensor([s.output_ids[-1] for s in active], device=base.device)
         depth = [self.draft_budget(s) for s in active]
-        markov = self.drafter.markov_bias if self.drafter.markov_head is not None else None
-        trees = build_trees(base[:, :max(depth)], anchors, markov, [self.cfg.tree_budget] * len(active),
-                            depth, self.cfg.tree_topk)
+        trees = build_trees(base[:, :max(depth)], anchors, self.drafter.markov_head,
+                            [self.cfg.tree_budget] * len(active), depth, self.cfg.tree_topk,
+                            vocab=self.drafter.draft_to_target)
         sizes = self.policy.choose_nodes([[t.scores[i] for i in t.ranked()] for t in trees], other_tokens,
                                          draft_seconds)
         out: dict[int, DraftTree | list[int]] = {}

@@ -213,10 +213,6 @@ class BlockDrafter(nn.Module):
         """Logits over the target vocabulary (-inf outside a reduced draft vocabulary)."""
         return self.to_target_vocab(self.draft_logits(h))
 
-    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
-        """The Markov head's bias over the target vocabulary (0 outside the draft vocabulary)."""
-        return self.to_target_vocab(self.markov_head(prev).float(), 0.0)
-
     def context(self, feats: torch.Tensor) -> torch.Tensor:
         """Fused context features from the target's concatenated layer outputs."""
         return self.hidden_norm(self.fc(feats))

@@ -27,9 +27,10 @@ DRIFT_PROMPTS = [
 ]
 
 
-def _decode_vs_verify(engine: Engine, ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_vs_verify(engine: Engine, ids: list[int], n: int, tree: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of the last n tokens: fed one per forward (decoding), and all n in one forward
-    (verification), each after the same prefill of the rest."""
+    (verification; tree: as a one-path tree, through the custom-mask path), each after the same
+    prefill of the rest."""
     runner, out = engine.runner, []
     for seq_id, one_by_one in ((1, True), (2, False)):
         s = SimpleNamespace(seq_id=seq_id, num_cached=0)
@@ -43,7 +44,8 @@ def _decode_vs_verify(engine: Engine, ids: list[int], n: int) -> tuple[torch.Ten
                 s.num_cached += 1
             out.append(torch.stack(rows))
         else:
-            out.append(runner.forward([(s, ids[-n:])], list(range(n))).logits)
+            masks = {"mask": "custom", "custom_masks": [torch.ones(n, n).tril().bool()]} if tree else {}
+            out.append(runner.forward([(s, ids[-n:])], list(range(n)), **masks).logits)
         engine.pool.free(seq_id)
     return out[0], out[1]
 
@@ -53,8 +55,14 @@ def test_tiny_model_decode_equals_verify_bitwise(folders, single_thread):
                                  spec=SpecConfig(drafter="none")))
     for length in (20, 33, 47):
         ids = alphabet_prompts([length], seed=length)[0]
-        decoded, verified = _decode_vs_verify(engine, ids, 9)
-        assert torch.equal(decoded, verified), (decoded - verified).abs().max()
+        # 9: block 8; 17 and 33: longer chains and trees (up to block 32 + the anchor), which
+        # once fell into the prefill bucket and were attended in float32
+        for n in (9, 17, 33) if length > 33 else (9,):
+            decoded, verified = _decode_vs_verify(engine, ids, n)
+            assert torch.equal(decoded, verified), (n, (decoded - verified).abs().max())
+        if length > 40:  # a tree larger than the longest chain is still verified exactly
+            decoded, verified = _decode_vs_verify(engine, ids, 40, tree=True)
+            assert torch.equal(decoded, verified), (decoded - verified).abs().max()
 
 
 @pytest.fixture(scope="module")

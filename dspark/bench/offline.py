@@ -208,30 +208,17 @@ def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[st
     return out
 
 
-def _measure_sequential(load, methods: list[str], groups: list, warm: list, errors: dict,
-                        free) -> dict[str, MethodRun]:
-    """One method at a time: load, warm, every group, free. Only one model is in memory at once."""
-    runs = {}
-    for method in methods:
-        print(f"[bench] {method} ...", file=sys.stderr, flush=True)
-        try:
-            m = load(method)
-            m.warm(warm)
-            for group in groups:
-                m.measure(group)
-            runs[method] = m.run
-        except Exception as e:  # one failing method (e.g. a drafter still being written) must not sink the rest
-            errors[method] = f"{type(e).__name__}: {e}"
-            print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
-        m = None
-        free()
-    return runs
+def _fail(errors: dict[str, str], method: str, e: Exception) -> None:
+    # one failing method (e.g. a drafter still being written) must not sink the rest
+    errors[method] = f"{type(e).__name__}: {e}"
+    print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
 
 
 def _measure_interleaved(load, methods: list[str], groups: list, warm: list, errors: dict) -> dict[str, MethodRun]:
     """Every method loaded at once, then each group run by every method in turn, the order rotated
     by one per group: a machine whose speed drifts (a shared CPU, clocks, other work) slows every
-    method alike instead of whichever happened to run during the slow minutes."""
+    method alike instead of whichever happened to run during the slow minutes. Given one method,
+    this is the sequential benchmark's step."""
     live = {}
     for method in methods:
         print(f"[bench] loading {method} ...", file=sys.stderr, flush=True)
@@ -239,9 +226,8 @@ def _measure_interleaved(load, methods: list[str], groups: list, warm: list, err
             live[method] = load(method)
             live[method].warm(warm)
         except Exception as e:
-            errors[method] = f"{type(e).__name__}: {e}"
             live.pop(method, None)
-            print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
+            _fail(errors, method, e)
     for i, group in enumerate(groups):
         names = list(live)
         k = i % len(names) if names else 0
@@ -249,9 +235,8 @@ def _measure_interleaved(load, methods: list[str], groups: list, warm: list, err
             try:
                 live[method].measure(group)
             except Exception as e:
-                errors[method] = f"{type(e).__name__}: {e}"
                 del live[method]
-                print(f"[bench] {method} failed: {errors[method]}", file=sys.stderr, flush=True)
+                _fail(errors, method, e)
     return {m: live[m].run for m in methods if m in live}
 
 
@@ -278,8 +263,11 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
     groups, warm, device = _groups(prompt_ids, batch_size), prompt_ids[:warmup], cfg.resolved_device()
     if interleave:
         runs = _measure_interleaved(load, methods, groups, warm, errors)
-    else:
-        runs = _measure_sequential(load, methods, groups, warm, errors, free=lambda: _free(device))
+    else:  # one method at a time, its model freed before the next loads
+        runs = {}
+        for method in methods:
+            runs.update(_measure_interleaved(load, [method], groups, warm, errors))
+            _free(device)
     ref = {k: runs[k] for k in ("ar", "hf") if k in runs}
     results = {m: ({"error": errors[m]} if m in errors else summarize(m, runs[m], ref)) for m in methods}
     return {

@@ -58,11 +58,11 @@ class TorchAttention:
     chunks) so a prefill chunk does not pad every decoding request's query to its length."""
 
     name = "torch"
-    BUCKETS = (1, 16, 33)  # query-length group bounds: q == 1, q <= 16, q <= 33, longer
-    # Groups attended exactly (float64 in bf16 on CPU): anything as short as the longest chain
-    # (block 32 + its anchor), and every tree, whatever its size. A verified token must get the
-    # bits it would get decoded alone; prefill chunks longer than this need not.
-    EXACT_MAX_Q = 33
+    # Query-length group bounds: q == 1, q <= 16, q <= 33, longer. Every bounded group is attended
+    # exactly (float64 in bf16 on CPU), so the last bound is the longest chain (block 32 + its
+    # anchor); trees are exact whatever their size. A verified token must get the bits it would
+    # get decoded alone; longer prefill chunks need not.
+    BUCKETS = (1, 16, 33)
 
     def __init__(self, device: str | torch.device):
         self.device = torch.device(device)
@@ -108,7 +108,7 @@ class TorchAttention:
                 mask[g, q:, 0] = True
         dev = self.device
         return _Group(gather.to(dev), q_index.to(dev), mask[:, None].to(dev), torch.cat(out_rows).to(dev),
-                      torch.cat(dest).to(dev), qmax <= self.EXACT_MAX_Q or batch.mask == "custom")
+                      torch.cat(dest).to(dev), qmax <= self.BUCKETS[-1] or batch.mask == "custom")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:

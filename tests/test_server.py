@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 from types import SimpleNamespace
 
 import httpx
@@ -82,6 +83,20 @@ def test_stop_string_and_seeded_sampling(server):
     b = "".join(c.choices[0].delta.content or "" for c in
                 client.chat.completions.create(seed=1234, stream=True, **kw) if c.choices)
     assert a == b
+
+
+def test_stop_token_ids(server):
+    """vLLM's stop_token_ids: the output ends with the first listed token, finish_reason "stop"."""
+    client, model = server.openai(), server.state.names[0]
+    kw = {"model": model, "prompt": REPEAT, "temperature": 0, "max_tokens": 24}
+    full = client.completions.create(**kw)
+    text = full.choices[0].text
+    word = server.state.engine.tokenizer.encode(" three", add_special_tokens=False)
+    assert len(word) == 1 and " three" in text
+    cut = client.completions.create(extra_body={"stop_token_ids": word}, **kw)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(" three") + len(" three")]
+    assert cut.usage.completion_tokens < full.usage.completion_tokens
 
 
 def test_chat_stream_matches_nonstream(server):
@@ -185,6 +200,23 @@ def test_disconnect_frees_pages(ngram_server):
         httpx.post(url + "/v1/completions", json=body, timeout=1.5)
     assert wait_for(idle, 10), "pages not freed after a non-streaming client disconnected"
     assert metric(scrape(url), "dspark:request_success_total", finished_reason="abort") == 2
+    assert ngram_server.state.engine.pool.num_free == ngram_server.state.engine.pool.num_pages
+
+
+def test_client_gone_before_the_stream_starts(ngram_server):
+    """A streaming client that hangs up right after sending its request, before any response byte,
+    still has its request aborted and its pages freed."""
+    url, model = ngram_server.url, ngram_server.state.names[0]
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
+                       "temperature": 0, "stream": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    before = metric(scrape(url), "dspark:request_success_total", finished_reason="abort") or 0
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    idle = lambda: (m := scrape(url)) and metric(m, "dspark:num_requests_running") == 0 and \
+        metric(m, "dspark:request_success_total", finished_reason="abort") == before + 1
+    assert wait_for(idle, 15), "the request kept running after its client left"
     assert ngram_server.state.engine.pool.num_free == ngram_server.state.engine.pool.num_pages
 
 

@@ -64,6 +64,10 @@ INVALID = [
     (CHAT, {"messages": [{"role": "user", "content": 7}]}, "messages.0.content"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"messages": MSGS, "n": 3}, "n"), (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
+    (C, {"prompt": PROMPT, "min_tokens": 4}, "min_tokens"), (CHAT, {"messages": MSGS, "min_p": 0.1}, "min_p"),
+    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+    (C, {"prompt": PROMPT, "stop_token_ids": [-1]}, None), (C, {"prompt": PROMPT, "stop_token_ids": 2},
+                                                            "stop_token_ids"),
 ]
 
 
@@ -142,6 +146,21 @@ def test_503_when_not_admitting(server):
         assert httpx.get(server.url + "/health").status_code == 503
     finally:
         sched.accepting = True
+    _ok(server)
+
+
+def test_chat_template_error_gets_400(server, engine, monkeypatch):
+    """A template that refuses the messages (its own raise_exception) is the client's error."""
+    import jinja2
+
+    def refuse(*args, **kwargs):
+        raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", refuse)
+    r = httpx.post(server.url + CHAT, json={"messages": MSGS, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "roles must alternate" in error_of(r)["message"]
+    monkeypatch.undo()
     _ok(server)
 
 

@@ -57,7 +57,7 @@ def plain(folders):
 
 
 def _key(prompt, sp: SamplingParams):
-    return tuple(prompt), sp.max_tokens, tuple(sp.stop_token_ids), sp.temperature
+    return tuple(prompt), sp.max_tokens, tuple(sp.stop_token_ids), tuple(sp.stop), sp.temperature
 
 
 def _drafter(folders, name: str) -> str:
@@ -187,6 +187,41 @@ def test_tree_stop_token_and_pressure(folders, prompts, plain):
     outs = run_requests(engine, [(p, sp, None) for p, sp in reqs])
     _assert_same(outs, plain(reqs))
     assert engine.spec_stats.accepted > 0
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_stop_string_ends_at_the_same_token(folders, prompts, plain, tree):
+    """A stop string completed inside an accepted block ends the output at the token that completes
+    it, as plain decoding does: the same token ids (so the same usage), text and finish reason."""
+    ref = plain([(p, GREEDY) for p in prompts])
+    reqs = []
+    for p, r in zip(prompts, ref):
+        at = len(r.text) // 2
+        reqs.append((p, dataclasses.replace(GREEDY, stop=[r.text[at:at + 2]])))
+    kw = dict(tree=True, tree_budget=12, tree_topk=2) if tree else {}
+    engine = make_engine(folders["target"], folders["dspark"], **kw)
+    outs = run_requests(engine, [(p, sp, None) for p, sp in reqs])
+    want = plain(reqs)
+    _assert_same(outs, want)
+    assert sum(o.finish_reason == "stop" and len(o.token_ids) < 40 for o in want) >= 6
+    assert engine.spec_stats.accepted > 0
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_context_shrinks_to_the_pool(folders, prompts, plain, tree):
+    """A pool smaller than the model's context shortens max_model_len to what one request can hold
+    beside its drafts, so a request that outgrows the pool ends at "length" like plain decoding
+    with that context, instead of preempting itself forever. An asked-for context that cannot fit
+    is refused."""
+    kw = dict(tree=True, tree_budget=12, tree_topk=2) if tree else {}
+    engine = make_engine(folders["target"], folders["dspark"], kv_cache_tokens=16 * 4, **kw)
+    assert engine.max_model_len == 64 - engine.spec.context_headroom()
+    outs = run_requests(engine, [(p, dataclasses.replace(GREEDY, max_tokens=100), None) for p in prompts[:4]])
+    want = plain([(p, dataclasses.replace(GREEDY, max_tokens=engine.max_model_len - len(p))) for p in prompts[:4]])
+    _assert_same(outs, want)
+    assert all(len(o.prompt_token_ids) + len(o.token_ids) == engine.max_model_len for o in outs)
+    with pytest.raises(ValueError, match="max_model_len 128 needs a KV cache of at least"):
+        make_engine(folders["target"], folders["dspark"], kv_cache_tokens=128, max_model_len=128, **kw)
 
 
 def test_smollm2_random_drafter(tmp_path):

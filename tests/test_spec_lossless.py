@@ -146,6 +146,14 @@ WARPS = [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.5, 4, 1.0), (1.0, 0, 0.8), (0.8, 3, 0.
 WARP_IDS = [f"T{t}-k{k}-p{p}" for t, k, p in WARPS]
 
 
+def test_tiny_temperature_is_argmax_not_nan():
+    """A temperature far below 1 (1e-30 passes the API's >= 0 check) sharpens to the argmax; logits
+    divided by it directly would overflow to inf and softmax to NaN."""
+    logits = torch.tensor([[3.0, 9.0, -2.0, 8.5], [1e4, -1e4, 0.0, 5.0]])
+    probs = warp_logits(logits, torch.tensor([1e-30, 1e-38]), torch.tensor([0, 0]), torch.tensor([1.0, 1.0]))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
 def test_sample_is_inverse_cdf_exact():
     g = torch.Generator().manual_seed(0)
     probs = warp(torch.randn(V, generator=g) * 2, 1.0, 0, 1.0)

@@ -11,6 +11,7 @@ With no drafter the chains are just [anchor]: plain decoding.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -27,6 +28,8 @@ from dspark.engine.tree import DraftTree
 from dspark.engine.verify import Work, accept, layout
 from dspark.models.llama import LlamaConfig, LlamaModel
 from dspark.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model_folder
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -62,6 +65,7 @@ class Engine:
         self.attn = make_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.pool, kv, self.attn, self.device)
         self.spec = SpecRunner.create(config.spec, self)
+        self._fit_context(num_pages * page_size)
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer":
             self.enable_graphs(capture=True)
         self.spec.calibrate()
@@ -72,6 +76,22 @@ class Engine:
         self.num_preemptions = 0
         self.spec_stats = SpecStats()  # engine-wide totals
         self._finished_pending: list[Sequence] = []
+
+    def _fit_context(self, pool_tokens: int) -> None:
+        """One request must fit the page pool alone, or the scheduler would preempt it forever:
+        an asked-for context that does not fit is refused, the model's own is shortened."""
+        fit = pool_tokens - self.spec.context_headroom()
+        if self.max_model_len <= fit:
+            return
+        if self.config.max_model_len is not None:
+            raise ValueError(f"max_model_len {self.max_model_len} needs a KV cache of at least "
+                             f"{self.max_model_len + self.spec.context_headroom()} tokens; kv_cache_tokens "
+                             f"gives {pool_tokens}: raise it or lower max_model_len")
+        if fit < 2:
+            raise ValueError(f"kv_cache_tokens gives {pool_tokens} tokens, too few for any request")
+        logger.warning("the KV cache holds %d tokens: max_model_len lowered from %d to %d",
+                       pool_tokens, self.max_model_len, fit)
+        self.max_model_len = fit
 
     def enable_graphs(self, capture: bool = True) -> None:
         """Serve uniform forwards from padded CUDA graphs (cuda_graphs.install_graphs)."""
@@ -92,9 +112,6 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} "
                              "tokens and needs room for at least one generated token")
-        if len(ids) + 1 > self.pool.num_pages * self.pool.page_size:
-            raise ValueError(f"the prompt has {len(ids)} tokens but the KV cache holds only "
-                             f"{self.pool.num_pages * self.pool.page_size}; raise kv_cache_tokens")
         seed = params.seed if params.seed is not None else torch.randint(0, 2**62, (1,)).item()
         gen = None if params.greedy else torch.Generator().manual_seed(seed)
         seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_ids=ids, params=params,
@@ -108,7 +125,10 @@ class Engine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
-            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            try:
+                out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            except Exception as e:  # the template's own checks (e.g. roles that must alternate)
+                raise ValueError(f"the chat template rejected the messages: {e}") from e
             return list(out["input_ids"] if hasattr(out, "keys") else out)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
@@ -262,18 +282,26 @@ class Engine:
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
+            if p.stop:  # token by token, so the output ends at the token that completes a stop string
+                self._append_text(seq)
             if seq.finish_reason:
                 break
-        delta = decode_new_text(self.tokenizer, seq, flush=seq.finish_reason is not None)
-        seq.text += delta
-        if p.stop and delta:
-            cut = find_stop(seq.text, p.stop, len(delta))
-            if cut != -1:
-                seq.text = seq.text[:cut]
-                seq.finish_reason = "stop"
+        if not p.stop:
+            self._append_text(seq)
         if seq.finish_reason:
             self._finish(seq, seq.finish_reason)
         return count
+
+    def _append_text(self, seq: Sequence) -> None:
+        """Detokenize the tokens appended since the last call; a stop string cuts the text and
+        finishes the request."""
+        delta = decode_new_text(self.tokenizer, seq, flush=seq.finish_reason is not None)
+        seq.text += delta
+        if seq.params.stop and delta:
+            cut = find_stop(seq.text, seq.params.stop, len(delta))
+            if cut != -1:
+                seq.text = seq.text[:cut]
+                seq.finish_reason = "stop"
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -67,6 +67,9 @@ class NeuralSpecRunner(SpecRunner):
         nodes = self.cfg.tree_budget if self.cfg.tree else budget
         return max(1 + nodes, self.drafter.config.block_size)
 
+    def context_headroom(self) -> int:
+        return max(self.cfg.tree_budget if self.cfg.tree else 0, self.drafter.config.block_size)
+
     # While the load-aware policy finds (on a running average) that even its best choice loses to
     # plain decoding once the drafter's own pass is paid for, drafting pauses for a number of
     # steps that doubles on each failed retry (up to MAX_BACKOFF), then the drafter is tried again.

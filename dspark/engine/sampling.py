@@ -18,7 +18,8 @@ def warp_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     logits = logits.float()
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    x = logits / t[..., None]
+    # shifted so the largest is 0: a tiny temperature sends the rest to -inf, never to inf - inf
+    x = (logits - logits.amax(-1, keepdim=True)) / t[..., None]
     V = x.shape[-1]
     k = torch.where(top_k <= 0, torch.full_like(top_k, V), top_k.clamp(max=V))
     need_filter = bool((k < V).any()) or bool((top_p < 1).any())

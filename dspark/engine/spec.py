@@ -34,6 +34,11 @@ class SpecRunner:
         room = self.engine.max_model_len - seq.num_cached - 2
         return max(0, min(block, left, room))
 
+    def context_headroom(self) -> int:
+        """Cache slots past max_model_len a step may reserve for one request. A chain never
+        passes the context (draft_budget stops at it); a drafter block or a tree may."""
+        return 0
+
     block_size = 0
     graphs = None  # the drafter's GraphPool, when the engine uses CUDA graphs
 

@@ -19,6 +19,11 @@ _UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
+    # vLLM's extra sampling and template fields
+    "min_tokens": (None, 0), "min_p": (None, 0), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "continue_final_message": (None, False),
+    "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,),
 }
 
 
@@ -68,6 +73,7 @@ class _Common(_Strict):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
@@ -88,7 +94,8 @@ class _Common(_Strict):
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=0 if self.top_k is None else self.top_k, max_tokens=max_tokens or 1, seed=self.seed,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []), ignore_eos=self.ignore_eos)
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
         params.validate()
         return params
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from dspark.engine.sequence import RequestOutput
 from dspark.scheduler.scheduler import EngineError, QueueFullError, RequestAborted, RequestStream, UnavailableError
@@ -82,8 +83,10 @@ class _Generation:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            # the background abort covers a client gone before the generator's first step (Starlette
+            # may then cancel it unstarted, and its finally never runs); after a finished stream it is a no-op
             return StreamingResponse(self._stream(stream, include_usage), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+                                     headers=SSE_HEADERS, background=BackgroundTask(stream.abort))
         out = await self._collect(stream)
         u = usage(len(out.prompt_token_ids), len(out.token_ids))
         build = chat_body if self.chat else completion_body

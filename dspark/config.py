@@ -103,6 +103,30 @@ class EngineConfig:
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
 
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid setting (before any weights load)."""
+        for name in ("page_size", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.kv_cache_tokens < self.page_size:
+            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one page "
+                             f"({self.page_size} tokens)")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 (None: the model's), got {self.max_model_len!r}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}: choose torch, flashinfer or auto")
+        if self.cuda_graph_batch_sizes is not None and any(b < 1 for b in self.cuda_graph_batch_sizes):
+            raise ValueError(f"cuda_graph_batch_sizes must be >= 1, got {self.cuda_graph_batch_sizes}")
+        self.resolved_dtype()
+        import torch
+
+        try:
+            torch.device(self.resolved_device())
+        except RuntimeError as e:
+            raise ValueError(f"unknown device {self.device!r}: {e}") from None
+        self.spec.validate()
+
     def resolved_device(self) -> str:
         import torch
 

@@ -224,6 +224,27 @@ def test_context_shrinks_to_the_pool(folders, prompts, plain, tree):
         make_engine(folders["target"], folders["dspark"], kv_cache_tokens=128, max_model_len=128, **kw)
 
 
+def test_proposed_counts_only_steps_that_drafted(folders, prompts, monkeypatch):
+    """A step in which a request drafts nothing (one token short of max_tokens) adds nothing to its
+    proposed count, whatever it drafted the step before."""
+    engine = make_engine(folders["target"], folders["dspark"])
+    spec, drafted = engine.spec, {}
+    real = spec.propose
+
+    def recording(seqs, other_tokens=0):
+        out = real(seqs, other_tokens)
+        for s in seqs:
+            drafted[s.request_id] = drafted.get(s.request_id, 0) + (s.seq_id in out)
+        return out
+
+    monkeypatch.setattr(spec, "propose", recording)
+    reqs = [(p, dataclasses.replace(GREEDY, max_tokens=m), None) for p, m in zip(prompts, [3, 3, 4, 4, 5, 5, 9, 9])]
+    outs = run_requests(engine, reqs)
+    nd = spec.drafter.config.num_drafts
+    assert [o.stats.proposed for o in outs] == [nd * drafted.get(o.request_id, 0) for o in outs]
+    assert sum(o.stats.steps > drafted.get(o.request_id, 0) for o in outs) >= 2  # steps that drafted nothing
+
+
 def test_smollm2_random_drafter(tmp_path):
     """The default SmolLM2 target with a random DSpark drafter: same greedy tokens as plain decoding
     (requests with spec=False on the same engine)."""

@@ -25,6 +25,7 @@ class NgramSpecRunner(SpecRunner):
 
     def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, list[int]]:
         out = {}
+        self._proposed.clear()
         for seq in seqs:
             drafts = self.drafter.propose(seq.all_ids, self.draft_budget(seq))
             self._proposed[seq.seq_id] = len(drafts)

@@ -37,7 +37,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        config.spec.validate()
+        config.validate()
         self.device = torch.device(config.resolved_device())
         self.dtype = config.resolved_dtype()
         self.model_path = resolve_model_folder(config.model)

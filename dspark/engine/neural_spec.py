@@ -100,6 +100,7 @@ class NeuralSpecRunner(SpecRunner):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, list[int] | DraftTree]:
         self._q.clear()
+        self._proposed.clear()  # a request that drafts nothing this step proposed nothing
         active = [s for s in seqs if self.draft_budget(s) > 0]
         if not active:
             return {}

@@ -17,7 +17,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dspark.server.runner import GracefulServer
 
     config = engine_config(args, default_policy="load-aware")
-    config.spec.validate()  # fail before binding the port
+    config.validate()  # fail before binding the port
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -27,7 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                timeout_graceful_shutdown=args.shutdown_timeout)
     GracefulServer(uv_config, app.state.dspark).run()
-    return 0
+    return 1 if app.state.dspark.load_error else 0
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction,

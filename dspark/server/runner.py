@@ -32,6 +32,11 @@ class GracefulServer(uvicorn.Server):
             sched.accepting = False
         super().handle_exit(sig, frame)
 
+    async def on_tick(self, counter: int) -> bool:
+        if self.dspark_state.load_error is not None:
+            return True  # the engine failed to load: exit (status 1) rather than answer 503 forever
+        return await super().on_tick(counter)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         # like uvicorn's, but without re-raising the signal afterwards: a drained server exits 0

@@ -1,0 +1,49 @@
+"""Engine settings are checked before any weights load, and `dspark serve` exits when the engine
+cannot load instead of answering 503 forever."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark.cli import main
+from dspark.config import EngineConfig, SpecConfig
+from dspark.engine.engine import Engine
+
+BAD = [
+    ({"max_num_seqs": 0}, "max_num_seqs"), ({"max_num_seqs": -300}, "max_num_seqs"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"), ({"kv_cache_tokens": -1}, "kv_cache_tokens"),
+    ({"kv_cache_tokens": 8}, "one page"), ({"page_size": 0}, "page_size"), ({"max_model_len": 0}, "max_model_len"),
+    ({"max_model_len": -5}, "max_model_len"), ({"dtype": "bf61"}, "dtype"), ({"device": "gpu9"}, "device"),
+    ({"attention_backend": "flash"}, "attention backend"), ({"cuda_graph_batch_sizes": [0, 8]}, "cuda_graph"),
+    ({"spec": SpecConfig(block_size=0)}, "block_size"),
+]
+
+
+@pytest.mark.parametrize("kwargs,words", BAD, ids=[w for _, w in BAD])
+def test_bad_engine_config_is_refused_before_loading(kwargs, words, monkeypatch):
+    def no_load(*args, **kw):
+        raise AssertionError("weights were loaded for an invalid config")
+
+    monkeypatch.setattr("dspark.engine.engine.load_state_dict", no_load)
+    with pytest.raises(ValueError, match=words):
+        Engine(EngineConfig(model="/nonexistent", **kwargs))
+
+
+def test_cli_reports_a_bad_flag(capsys):
+    assert main(["generate", "--prompt", "hi", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_serve_exits_when_the_engine_cannot_load(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "dspark.cli", "serve", "--model", str(tmp_path / "missing"),
+                           "--port", "0", "--log-level", "warning"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "loading the engine failed" in proc.stderr

@@ -159,6 +159,16 @@ def test_chunked_prefill_and_preemption(folders, prompts, plain, drafter):
     assert engine.spec_stats.accepted > 0
 
 
+def test_oldest_request_keeps_its_pages(folders, plain):
+    """Two requests that cannot both finish in the pool: the newer one yields its pages (first come,
+    first served), and both still equal plain decoding."""
+    engine = make_engine(folders["target"], folders["dspark"], kv_cache_tokens=16 * 7)
+    reqs = [(p, GREEDY) for p in alphabet_prompts([40, 33], seed=3)]  # 80 and 73 tokens, 112 in the pool
+    outs = run_requests(engine, [(p, sp, None) for p, sp in reqs])
+    _assert_same(outs, plain(reqs))
+    assert engine.num_preemptions > 0 and outs[0].num_preemptions == 0
+
+
 TREES = [("dspark", 16, 2), ("dspark", 5, 3), ("dflash", 8, 2), ("dspark_rv", 8, 2)]
 
 

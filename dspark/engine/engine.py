@@ -222,10 +222,10 @@ class Engine:
         return decode, prefill
 
     def _pick_victim(self, exclude: Sequence) -> Sequence | None:
-        for seq in reversed(self.running):
-            if seq is not exclude:
-                return seq
-        return None
+        """The newest running request admitted after `exclude`; None when `exclude` is the newest,
+        which then yields its own pages: first come, first served, as in vLLM."""
+        after = self.running[self.running.index(exclude) + 1:]
+        return after[-1] if after else None
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a request's pages and queue it for recomputation from its tokens so far."""

@@ -1,5 +1,5 @@
-"""Engine settings are checked before any weights load, and `dspark serve` exits when the engine
-cannot load instead of answering 503 forever."""
+"""Engine settings are checked before any weights load, `dspark serve` exits when the engine
+cannot load instead of answering 503 forever, and text prompts get the tokenizer's special tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 from dspark.cli import main
 from dspark.config import EngineConfig, SpecConfig
 from dspark.engine.engine import Engine
+
+pytest.importorskip("transformers")
 
 BAD = [
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"max_num_seqs": -300}, "max_num_seqs"),
@@ -47,3 +49,19 @@ def test_serve_exits_when_the_engine_cannot_load(tmp_path):
                           timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "loading the engine failed" in proc.stderr
+
+
+def test_text_prompt_gets_the_tokenizers_bos(folders, monkeypatch):
+    """A text prompt is encoded the way the tokenizer encodes text by default (a Llama tokenizer puts
+    its BOS first, as vLLM's completions do); token ids and chat messages are not touched."""
+    from spec_helpers import make_engine
+
+    engine = make_engine(folders["target"])
+    real = engine.tokenizer.encode
+
+    def with_bos(text, add_special_tokens=True, **kw):
+        return ([1] if add_special_tokens else []) + real(text, add_special_tokens=False, **kw)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", with_bos)
+    assert engine.encode("Hello world") == [1] + real("Hello world", add_special_tokens=False)
+    assert engine.encode([5, 6, 7]) == [5, 6, 7]

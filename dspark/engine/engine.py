@@ -122,8 +122,8 @@ class Engine:
         return seq
 
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, str):  # with the tokenizer's special tokens (a Llama's BOS), as vLLM does
+            return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
             try:
                 out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)

@@ -80,12 +80,13 @@ class Engine:
     def _fit_context(self, pool_tokens: int) -> None:
         """One request must fit the page pool alone, or the scheduler would preempt it forever:
         an asked-for context that does not fit is refused, the model's own is shortened."""
-        fit = pool_tokens - self.spec.context_headroom()
+        headroom = self.spec.context_headroom()
+        fit = pool_tokens - headroom
         if self.max_model_len <= fit:
             return
         if self.config.max_model_len is not None:
             raise ValueError(f"max_model_len {self.max_model_len} needs a KV cache of at least "
-                             f"{self.max_model_len + self.spec.context_headroom()} tokens; kv_cache_tokens "
+                             f"{self.max_model_len + headroom} tokens; kv_cache_tokens "
                              f"gives {pool_tokens}: raise it or lower max_model_len")
         if fit < 2:
             raise ValueError(f"kv_cache_tokens gives {pool_tokens} tokens, too few for any request")

@@ -107,8 +107,6 @@ class NeuralSpecRunner(SpecRunner):
         other_tokens += len(seqs) - len(active)  # their anchors ride in the pass, as prefill does
         if self._skip_steps > 0:
             self._skip_steps -= 1
-            for s in active:
-                self._proposed[s.seq_id] = 0
             return {}
         t0 = time.perf_counter()
         dc, dev = self.drafter.config, self.engine.device

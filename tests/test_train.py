@@ -468,3 +468,44 @@ def test_train_cli_warm_start(tiny_folder, target, tmp_path):
     a, b = load_file(str(init / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((out / "train_stats.json").read_text())["init_from"] == str(init)
+
+
+def test_confidence_savings_by_hand():
+    from dspark.train.evaluate import confidence_savings
+
+    # (category, confidences, verified, accepted): at t=0.5 the first step keeps 1 of 3 drafts
+    # (loses 1 accepted), the second keeps none (loses nothing: none was accepted)
+    steps = [("a", [0.9, 0.2, 0.8], 3, 2), ("a", [0.1, 0.9], 2, 0)]
+    s = confidence_savings(steps, (0.5, 0.05))["0.5"]
+    assert s["verified_tokens_cut"] == 4 and s["accepted_tokens_lost"] == 1
+    assert s["verify_share_saved"] == round(4 / 7, 4)  # the target also runs each step's anchor
+    assert s["accepted_share_lost"] == 0.5 and s["tau_estimate"] == 1.5
+    none = confidence_savings(steps, (0.05,))["0.05"]
+    assert none["verified_tokens_cut"] == 0 and none["tau_estimate"] == 2.0
+
+
+def test_eval_drafter_reports_per_category(tiny_folder, target, tmp_path):
+    """eval-drafter on a tiny target: the per-category steps add up to the overall tau, each category
+    has its acceptance by block position, and the JSON is written where asked."""
+    from dspark.cli import main
+    from dspark.models.drafters.checkpoint import save_drafter
+
+    save_drafter(_drafter(target), tmp_path / "d")
+    pf = tmp_path / "p.jsonl"
+    rows = [{"category": c, "prompt": f"{c} question {i}"} for c in ("math", "code") for i in range(3)]
+    pf.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "eval.json"
+    assert main(["eval-drafter", "--drafter", str(tmp_path / "d"), "--prompts", str(pf), "--model", tiny_folder,
+                 "--device", "cpu", "--dtype", "float32", "--per-category", "2", "--max-tokens", "10",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    cats = res["per_category"]
+    assert res["prompts"] == 4 and set(cats) == {"math", "code"} and all(c["requests"] == 2 for c in cats.values())
+    assert res["output_tokens"] == 40  # the random target never picks its eos in 10 tokens
+    steps = sum(c["steps"] for c in cats.values())
+    assert res["tau"] == pytest.approx((40 - 4) / steps, abs=1e-3)  # each prefill writes the first token
+    assert 1.0 <= res["tau"] <= 5.0  # block 4: a DSpark drafter emits 4 drafts, + the bonus token
+    assert res["tau_category_mean"] == pytest.approx(sum(c["tau"] for c in cats.values()) / 2, abs=1e-3)
+    assert len(res["acceptance_per_position"]) == 4
+    assert all(len(c["acceptance_per_position"]) == 4 for c in cats.values())
+    assert res["confidence_savings"]["steps_recorded"] > 0

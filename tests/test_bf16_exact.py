@@ -98,3 +98,18 @@ def test_smollm2_ngram_output_equals_plain_in_bf16(smol_bf16):
         outs[engine is spec] = [done[f"r{i}"] for i in range(len(picks))]
     assert spec.spec_stats.accepted > 0
     assert outs[True] == outs[False]
+
+
+def test_bf16_model_keeps_float32_rope_frequencies():
+    """Casting a model to bf16 leaves its RoPE frequencies in float32, as HF's from_pretrained
+    does: rounded ones put positions far from the origin off by a large phase."""
+    from dspark.models.llama import Rotary
+
+    exact = Rotary(64, 100000.0, None)
+    cast = Rotary(64, 100000.0, None).to(torch.bfloat16)
+    assert cast.inv_freq.dtype == torch.float32 and torch.equal(cast.inv_freq, exact.inv_freq)
+    pos = torch.tensor([1000, 4000])
+    for a, b in zip(exact(pos, torch.float32), cast(pos, torch.float32)):
+        assert torch.equal(a, b)
+    rounded = exact.inv_freq.to(torch.bfloat16).float()
+    assert (pos[-1] * (rounded - exact.inv_freq)).abs().max() > 1.0  # what the cast used to cost (radians)

@@ -90,3 +90,26 @@ def test_unflushed_sequences_are_not_trusted(tmp_path):
     _fill(c, seqs, m=1)
     c._lock.close()  # a crash: no flush
     assert not FeatureCache(seqs, [0], 4, tmp_path).has(0)  # done.npy never says so
+
+
+def test_target_key_sees_every_layer():
+    """Two targets that share their embedding and LM head but not a decoder layer get different
+    keys, so one's cached features are never served to the other."""
+    from dspark.models.llama import LlamaConfig, LlamaModel
+    from dspark.train.feature_cache import target_key
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                               "head_dim": 8})
+    a = LlamaModel(cfg)
+    with torch.no_grad():  # nn.Embedding starts random, our Linear layers empty
+        for p in a.parameters():
+            p.normal_()
+    b = LlamaModel(cfg)
+    b.load_state_dict(a.state_dict())
+    assert target_key(a) == target_key(b)
+    with torch.no_grad():
+        b.layers[0].mlp.down_proj.weight.mul_(1.5)
+    assert target_key(a) != target_key(b)
+    assert target_key(a) != target_key(a.to(torch.bfloat16))

@@ -279,6 +279,11 @@ def test_generate_dataset_resumable(tiny_folder, tmp_path):
     tail = generate_dataset(str(pf), tmp_path / "tail", None, tiny_folder, "cpu", torch.float32, s,
                             progress=False, skip_prompts=2)
     assert tail["sequences"] == 2 and TokenDataset(tmp_path / "tail").seqs[1].tolist() == ds.seqs[3].tolist()
+    # 3 prompts leave shard 1 short; asking for all 4 later writes it again instead of skipping prompt 3
+    few = generate_dataset(str(pf), tmp_path / "grow", 3, tiny_folder, "cpu", torch.float32, s, progress=False)
+    assert few["sequences"] == 3
+    more = generate_dataset(str(pf), tmp_path / "grow", 4, tiny_folder, "cpu", torch.float32, s, progress=False)
+    assert more["shards_written"] == 1 and len(TokenDataset(tmp_path / "grow")) == 4
 
 
 def test_generate_dense_matches_hf_greedy(tiny_folder, target):
@@ -509,3 +514,68 @@ def test_eval_drafter_reports_per_category(tiny_folder, target, tmp_path):
     assert len(res["acceptance_per_position"]) == 4
     assert all(len(c["acceptance_per_position"]) == 4 for c in cats.values())
     assert res["confidence_savings"]["steps_recorded"] > 0
+
+
+def test_trainer_refuses_dflash_and_freezes_shared_copies(target, tmp_path):
+    """A DFlash drafter would be taught labels one position off, so it is refused; a drafter with
+    its own copy of the target's embedding and LM head trains neither (they are the target's)."""
+    import dataclasses
+
+    from dspark.models.drafters.dspark import BlockDrafter
+
+    data = _toy_data(tmp_path)
+    cfg = TrainConfig(steps=2, batch_size=4, anchors_per_seq=6, progress=False, save_every=0)
+    dc = dataclasses.replace(_drafter(target).config, kind="dflash")
+    with pytest.raises(ValueError, match="DSpark"):
+        Trainer(target, BlockDrafter(dc, target.config.hidden_size), data, cfg, tmp_path / "a")
+    own = BlockDrafter(_drafter(target).config, target.config.hidden_size, own_embed=True, own_head=True)
+    own.attach(target)
+    with torch.no_grad():
+        own.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        own.lm_head.weight.copy_(target.lm_head.weight)
+    before = own.lm_head.weight.clone()
+    tr = Trainer(target, own, data, cfg, tmp_path / "b")
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in tr.names)
+    tr.train_step()
+    tr.train_step()  # a second backward through the cached head rows must work too
+    assert torch.equal(own.lm_head.weight, before)
+
+
+def test_grad_accumulation_equals_one_large_batch(target, tmp_path):
+    """Two micro-batches of 2 sequences give the gradient of one batch of the 4: each micro-batch's
+    mean loss is weighed by its number of supervised slots (their counts differ here)."""
+    data = _toy_data(tmp_path)
+    b = data.batch([0, 1, 2, 3], 2, "cpu")
+    anchors, ok = sample_anchors(b["lens"], b["prompt_lens"], 6, 4, torch.Generator().manual_seed(0))
+    ok[2:, 3:] = False  # fewer slots in the second half
+    grads = []
+    for accum in (1, 2):
+        tr = _trainer(target, data, tmp_path / f"g{accum}", grad_accum=accum, grad_clip=1e9)
+        feats, final = target_features(target, b["ids"], tr.drafter.config.target_layer_ids)
+
+        def micro(m, tr=tr, feats=feats, final=final, accum=accum):
+            rows = slice(None) if accum == 1 else slice(2 * m, 2 * m + 2)
+            return batch_loss(tr.drafter, target.lm_head, feats[rows], final[rows], b["ids"][rows],
+                              b["lengths"][rows], b["resp"][rows], anchors[rows], ok[rows])
+
+        tr.micro_loss = micro
+        tr.opt.step = lambda: None
+        tr.opt.zero_grad = lambda set_to_none=True: None
+        tr.train_step()
+        grads.append({n: p.grad.clone() for n, p in zip(tr.names, tr.params) if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-4)
+
+
+def test_resume_refuses_another_drafter_shape(target, tmp_path):
+    data = _toy_data(tmp_path)
+    tr = _trainer(target, data, tmp_path / "run", steps=2)
+    tr.train_step()
+    tr.save_checkpoint()
+    d6 = new_drafter(make_drafter_config(target.config, num_layers=2, block_size=6, markov_rank=8,
+                                         layer_ids=[0, 1, 2], mask_token_id=16), target, 0)
+    other = Trainer(target, d6, data, tr.cfg, tmp_path / "run", pad_id=2)
+    with pytest.raises(ValueError, match="block_size"):
+        other.load_checkpoint()
+    assert _trainer(target, data, tmp_path / "run", steps=2).load_checkpoint()

@@ -8,7 +8,8 @@ response: greedy for most prompts, sampled at temperature 0.7 for a share of the
 `offsets` (int64 [n+1]), `prompt_lens` (int32 [n]: positions >= prompt_len are the response),
 `prompt_index` (int64 [n]) and `sampled` (uint8 [n]); category names in the metadata.
 Shard i covers prompts [i*S, (i+1)*S) of the file order; a shard already on disk is skipped,
-so an interrupted run resumes where it stopped. Size: 4 bytes a token (~1 KB a sequence).
+so an interrupted run resumes where it stopped (a short last shard is written again when a
+later run asks for more prompts). Size: 4 bytes a token (~1 KB a sequence).
 
 Backends: "engine" (our continuous-batching engine, the default on CPU), "dense" (a plain
 batched decoder over the same LlamaModel weights with a dense KV cache, features.generate_dense:
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 log = logging.getLogger(__name__)
@@ -188,7 +190,8 @@ def generate_dataset(prompts_file: str, data_dir: str | Path, num_prompts: int |
     if not prompts:
         raise ValueError(f"{prompts_file}: no prompts left after skipping {skip_prompts}")
     n_shards = -(-len(prompts) // s.shard_size)
-    todo = [i for i in range(n_shards) if not shard_path(data_dir, i).exists()]
+    todo = [i for i in range(n_shards)
+            if not _shard_complete(shard_path(data_dir, i), min(s.shard_size, len(prompts) - i * s.shard_size))]
     meta = {"prompts_file": str(prompts_file), "skip_prompts": skip_prompts, "num_prompts": len(prompts),
             "shard_size": s.shard_size,
             "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens,
@@ -236,13 +239,24 @@ def generate_dataset(prompts_file: str, data_dir: str | Path, num_prompts: int |
         }
         cats = json.dumps([prompts[i]["category"] for i in keep])
         tmp = shard_path(data_dir, si).with_suffix(".tmp")
-        save_file(arrays, str(tmp), metadata={"categories": cats})
+        save_file(arrays, str(tmp), metadata={"categories": cats, "prompts": str(hi - lo)})
         os.replace(tmp, shard_path(data_dir, si))
         stats["shards_written"] += 1
         stats["sequences"] += len(seqs)
         stats["tokens"] += int(arrays["tokens"].size)
     bar.close()
     return stats | {"seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _shard_complete(path: Path, num_prompts: int) -> bool:
+    """A shard on disk that covers all `num_prompts` of its range. The last shard of a run with
+    fewer prompts covers fewer and is written again; shards written before the count was stored
+    are trusted."""
+    if not path.exists():
+        return False
+    with safe_open(str(path), "np") as f:
+        covered = (f.metadata() or {}).get("prompts")
+    return covered is None or int(covered) >= num_prompts
 
 
 def _check_same_layout(meta_path: Path, meta: dict) -> None:

@@ -30,12 +30,22 @@ import torch
 _PARTS = ("feats", "final", "lse")
 
 
+# Bumped when the target's forward changes what it computes: version 1 features came from a
+# target whose RoPE frequencies were rounded to bf16 along with its weights.
+FEATURES_VERSION = 2
+
+
 def target_key(model) -> str:
-    """A fingerprint of a target's weights and dtype: features cached from another model (or the
-    same one in another dtype) must not be reused."""
+    """A fingerprint of a target's weights, dtype and forward: features cached from another model
+    (or the same one in another dtype, or an older forward) must not be reused. Every parameter
+    contributes up to 64 evenly spaced values, so a change in any layer shows."""
     w = model.lm_head.weight
-    probe = torch.cat([w[:8].flatten(), w[-8:].flatten(), model.norm.weight.flatten()]).detach().float().cpu()
-    return f"{w.dtype}:{tuple(w.shape)}:{zlib.crc32(probe.numpy().tobytes()):08x}"
+    probe = []
+    for p in model.parameters():
+        flat = p.detach().flatten()
+        probe.append(flat[::max(1, flat.numel() // 64)][:64].float().cpu())
+    crc = zlib.crc32(torch.cat(probe).numpy().tobytes())
+    return f"v{FEATURES_VERSION}:{w.dtype}:{tuple(w.shape)}:{crc:08x}"
 
 
 def cache_bytes(num_tokens: int, num_layers: int, hidden: int) -> int:

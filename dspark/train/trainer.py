@@ -67,7 +67,14 @@ class Trainer:
         self.out = Path(out_dir)
         self.dev = torch.device(cfg.device)
         self.pad_id = pad_id
+        if drafter.config.kind != "dspark":
+            # the loss teaches slot k the token after slot k's input; a DFlash drafter's slot k
+            # drafts the token at its own position, so every label would be one off
+            raise ValueError(f"train-drafter trains DSpark drafters; this one is {drafter.config.kind}")
         self.drafter.to(self.dev, torch.float32).train()
+        for shared in (drafter.embed_tokens, drafter.lm_head):  # a checkpoint's own copies of the target's
+            if shared is not None:
+                shared.requires_grad_(False)
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.names = [n for n, p in drafter.named_parameters() if p.requires_grad]
         decay = [p for p in self.params if p.ndim >= 2]
@@ -156,12 +163,20 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         agg: dict[str, float] = {}
+        slots = 0
         for j in range(c.grad_accum):
             loss, parts = self.micro_loss(self.step * c.grad_accum + j)
-            (loss / c.grad_accum).backward()
+            # each micro-batch's loss is a mean over its own slots: weigh it by them, so the step's
+            # gradient is the mean over all slots, as one large batch would give
+            (loss * parts["slots"] if c.grad_accum > 1 else loss).backward()
+            slots += parts["slots"]
             agg["loss"] = agg.get("loss", 0.0) + float(loss.detach()) / c.grad_accum
             for k, v in parts.items():
                 agg[k] = agg.get(k, 0.0) + float(v) / c.grad_accum
+        if c.grad_accum > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad /= max(1, slots)
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -189,7 +204,8 @@ class Trainer:
         if opt:
             save_file(opt, str(tmp / "optimizer.safetensors"))
         state = {"step": self.step, "elapsed_s": self.elapsed, "adam_steps": steps, "history": self.history,
-                 "config": {k: v for k, v in asdict(self.cfg).items() if k != "deadline"}}
+                 "config": {k: v for k, v in asdict(self.cfg).items() if k != "deadline"},
+                 "drafter_config": asdict(self.drafter.config)}
         (tmp / "state.json").write_text(json.dumps(state) + "\n")
         if ck.exists():
             shutil.rmtree(ck)
@@ -201,6 +217,12 @@ class Trainer:
         if not (ck / "state.json").exists():
             return False
         state = json.loads((ck / "state.json").read_text())
+        mine = json.loads(json.dumps(asdict(self.drafter.config)))  # tuples as lists, as stored
+        saved = state.get("drafter_config", mine)
+        if saved != mine:
+            diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+            raise ValueError(f"{ck} holds a drafter with other {', '.join(diff)} than this run's; resume with "
+                             "the same drafter flags or use another --out")
         sd = load_file(str(ck / "drafter.safetensors"))
         self.drafter.load_state_dict({k: v.to(self.dev) for k, v in sd.items()})
         if (ck / "optimizer.safetensors").exists():

@@ -111,5 +111,8 @@ def test_bf16_model_keeps_float32_rope_frequencies():
     pos = torch.tensor([1000, 4000])
     for a, b in zip(exact(pos, torch.float32), cast(pos, torch.float32)):
         assert torch.equal(a, b)
+    with torch.device("meta"):  # how the roofline bench builds large models: real values after to_empty
+        lazy = Rotary(64, 100000.0, None).to(torch.bfloat16)
+    assert torch.equal(lazy.to_empty(device="cpu").inv_freq, exact.inv_freq)
     rounded = exact.inv_freq.to(torch.bfloat16).float()
     assert (pos[-1] * (rounded - exact.inv_freq)).abs().max() > 1.0  # what the cast used to cost (radians)

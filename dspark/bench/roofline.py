@@ -23,7 +23,7 @@ import torch
 
 from dspark.engine.attention import AttnBatch, make_backend
 from dspark.engine.kv_cache import KVCache
-from dspark.models.llama import LlamaConfig, LlamaModel, Rotary
+from dspark.models.llama import LlamaConfig, LlamaModel
 
 SHAPES = {  # HF config.json fields of each named shape
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -77,7 +77,6 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)  # its buffer was on meta
     return model.eval()
 
 

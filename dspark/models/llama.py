@@ -98,7 +98,8 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None):
         super().__init__()
-        self._exact = rope_inv_freq(head_dim, theta, scaling)
+        with torch.device("cpu"):  # real values even for a model built on the meta device
+            self._exact = rope_inv_freq(head_dim, theta, scaling)
         self.register_buffer("inv_freq", self._exact.clone(), persistent=False)
 
     def _apply(self, fn, recurse: bool = True):

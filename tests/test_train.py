@@ -229,6 +229,7 @@ def test_export_reload_same_outputs(target, tmp_path):
     assert stats["steps"] == 3
     cfg = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert cfg["block_size"] == 4 and cfg["mask_token_id"] == 16 and cfg["markov_rank"] == 8
+    assert cfg["architectures"] == ["Qwen3DSparkModel"]  # DeepSpec's name for the layout
     d2 = load_drafter(tmp_path / "run" / "final", target, torch.float32, "cpu")
     d1 = tr.drafter.eval()
     b = data.batch([0, 1], 2, "cpu")

@@ -83,7 +83,7 @@ class DrafterConfig:
         d = asdict(self)
         d.pop("kind"), d.pop("extra")
         d["enable_confidence_head"] = d.pop("confidence_head")
-        d.update(architectures=["DSparkDraftModel"], model_type="qwen3", markov_head_type="vanilla",
+        d.update(architectures=["Qwen3DSparkModel"], model_type="qwen3", markov_head_type="vanilla",
                   confidence_head_with_markov=self.markov_rank > 0, tie_word_embeddings=False, **self.extra)
         if self.kind == "dflash":  # keep the kind: DFlash reads no anchor slot and has no heads
             d.update(architectures=["DFlashDraftModel"],

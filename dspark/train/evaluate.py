@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 THRESHOLDS = (0.3, 0.5, 0.7)
 
@@ -91,8 +91,8 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
                     steps.append((rid_cat[seq.request_id], confs[sid], st.verified - v0, st.accepted - a0))
     wall = time.perf_counter() - t0
     cat = defaultdict(lambda: {"requests": 0, "steps": 0, "generated": 0, "accepted": 0, "verified": 0})
-    acc_pos: dict[str, list[int]] = defaultdict(list)  # per category, per block position
-    ver_pos: dict[str, list[int]] = defaultdict(list)
+    acc_pos: dict[str, Counter] = defaultdict(Counter)  # per category: block position -> count
+    ver_pos: dict[str, Counter] = defaultdict(Counter)
     total_tokens = 0
     for rid, o in outs.items():
         c = cat[rid_cat[rid]]
@@ -103,13 +103,9 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
         c["accepted"] += s.accepted
         c["verified"] += s.verified
         total_tokens += len(o.token_ids)
-        a_row, v_row = acc_pos[rid_cat[rid]], ver_pos[rid_cat[rid]]
         for k, (a, v) in enumerate(zip(s.accepted_per_pos, s.verified_per_pos)):
-            while len(a_row) <= k:
-                a_row.append(0)
-                v_row.append(0)
-            a_row[k] += a
-            v_row[k] += v
+            acc_pos[rid_cat[rid]][k] += a
+            ver_pos[rid_cat[rid]][k] += v
     per_cat = {k: {"tau": round(v["generated"] / max(1, v["steps"]), 3), "requests": v["requests"],
                    "steps": v["steps"], "accept_rate": round(v["accepted"] / max(1, v["verified"]), 3),
                    "acceptance_per_position": _rates(acc_pos[k], ver_pos[k])}
@@ -122,21 +118,17 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
         # tau weights categories by their target passes (long answers weigh more); this weighs them equally
         "tau_category_mean": round(sum(v["tau"] for v in per_cat.values()) / max(1, len(per_cat)), 3),
         "per_category": per_cat,
-        "acceptance_per_position": _rates(_column_sums(acc_pos.values()), _column_sums(ver_pos.values())),
+        "acceptance_per_position": _rates(sum(acc_pos.values(), Counter()), sum(ver_pos.values(), Counter())),
         "wall_s": round(wall, 2), "output_tokens": total_tokens,
         "confidence_savings": confidence_savings(steps, thresholds),
     }
     return result
 
 
-def _column_sums(rows) -> list[int]:
-    rows = list(rows)
-    return [sum(r[k] for r in rows if k < len(r)) for k in range(max((len(r) for r in rows), default=0))]
-
-
-def _rates(accepted: list[int], verified: list[int]) -> list[float | None]:
-    """Share of the drafts verified at each block position that were accepted."""
-    return [round(a / v, 3) if v else None for a, v in zip(accepted, verified)]
+def _rates(accepted: Counter, verified: Counter) -> list[float]:
+    """Share of the drafts verified at each block position that were accepted (every position
+    up to the last one verified was verified at least once)."""
+    return [round(accepted[k] / verified[k], 3) for k in range(len(verified))]
 
 
 def confidence_savings(steps, thresholds=THRESHOLDS) -> dict:

@@ -221,6 +221,27 @@ def test_training_lowers_loss(target, tmp_path):
     assert after < 0.8 * before, (before, after)
 
 
+def test_slot_agreement_and_tau_estimate(target, tmp_path):
+    from dspark.train.loss import expected_tau
+    from dspark.train.trainer import slot_summary
+
+    assert expected_tau(torch.tensor([0.5, 0.5])) == pytest.approx(1.75)  # 1 + 0.5 + 0.5 * 0.5
+    s = slot_summary(torch.tensor([2.0, 1.0, 0.0]), torch.tensor([4.0, 2.0, 0.0]))  # no rows: 0, not nan
+    assert s == {"acc_by_slot": [0.5, 0.5, 0.0], "tau_est": 1.75}
+    data = _toy_data(tmp_path)
+    tr = _trainer(target, data, tmp_path / "run", steps=2)
+    with torch.no_grad():
+        _, parts = tr.micro_loss(0)
+    rows, hits = parts["slot_rows"], parts["slot_hits"]
+    assert rows.shape == (4,) and rows.sum() == parts["slots"] and (hits <= rows).all()
+    assert float(hits.sum() / rows.sum()) == pytest.approx(float(parts["acc"]))
+    assert (rows[:-1] >= rows[1:]).all()  # valid prefixes: a later slot is never supervised more often
+    tr.fit()
+    rec = tr.history[-1]
+    assert len(rec["acc_by_slot"]) == 4
+    assert rec["tau_est"] == pytest.approx(expected_tau(torch.tensor(rec["acc_by_slot"])), abs=1e-3)
+
+
 def test_export_reload_same_outputs(target, tmp_path):
     data = _toy_data(tmp_path)
     tr = _trainer(target, data, tmp_path / "run", steps=3)
@@ -283,8 +304,20 @@ def test_generate_dataset_resumable(tiny_folder, tmp_path):
     # 3 prompts leave shard 1 short; asking for all 4 later writes it again instead of skipping prompt 3
     few = generate_dataset(str(pf), tmp_path / "grow", 3, tiny_folder, "cpu", torch.float32, s, progress=False)
     assert few["sequences"] == 3
+    # responses written with other generation settings are refused, not mixed in (shard 1 is to be written)
+    for change, field in ((dict(max_new_tokens=7), "max_new_tokens=6"), (dict(seed=3), "seed=0"),
+                          (dict(sample_share=1.0), "sample_share=0.5")):
+        with pytest.raises(ValueError, match=field):
+            generate_dataset(str(pf), tmp_path / "grow", 4, tiny_folder, "cpu", torch.float32,
+                             GenSettings(**{**s.__dict__, **change}), progress=False)
+    assert json.loads((tmp_path / "grow" / "meta.json").read_text())["max_new_tokens"] == 6
     more = generate_dataset(str(pf), tmp_path / "grow", 4, tiny_folder, "cpu", torch.float32, s, progress=False)
     assert more["shards_written"] == 1 and len(TokenDataset(tmp_path / "grow")) == 4
+    # a finished folder serves a run with another seed (the CLI's --seed also seeds training)
+    done = generate_dataset(str(pf), tmp_path / "grow", None, tiny_folder, "cpu", torch.float32,
+                            GenSettings(**{**s.__dict__, "seed": 3}), progress=False)
+    assert done["shards_written"] == 0
+    assert json.loads((tmp_path / "grow" / "meta.json").read_text())["seed"] == 0
 
 
 def test_generate_dense_matches_hf_greedy(tiny_folder, target):

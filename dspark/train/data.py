@@ -197,12 +197,12 @@ def generate_dataset(prompts_file: str, data_dir: str | Path, num_prompts: int |
             "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens,
             "sample_share": s.sample_share, "temperature": s.temperature, "seed": s.seed,
             "model": model or "default (SmolLM2-135M-Instruct)"}
-    _check_same_layout(data_dir / "meta.json", meta)
-    (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    _check_same_layout(data_dir / "meta.json", meta, writing=bool(todo))
     t0 = time.perf_counter()
     stats = {"shards_written": 0, "sequences": 0, "tokens": 0, "skipped_long": 0}
-    if not todo:
+    if not todo:  # e.g. a training run on a finished folder with another --seed: nothing to record
         return stats | {"seconds": 0.0}
+    (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     gen = make_generator(model, device, dtype, s)
     bar = tqdm(total=sum(min(s.shard_size, len(prompts) - i * s.shard_size) for i in todo),
                desc="generating", unit="prompt", disable=not progress)
@@ -259,16 +259,24 @@ def _shard_complete(path: Path, num_prompts: int) -> bool:
     return covered is None or int(covered) >= num_prompts
 
 
-def _check_same_layout(meta_path: Path, meta: dict) -> None:
-    """Shard i holds prompts [i*S, (i+1)*S) counted from the first kept prompt: a folder written
-    with another shard size or skip would be silently mixed with the new shards, so refuse it."""
+# Shard i holds prompts [i*S, (i+1)*S) counted from the first kept prompt: always the same S and skip.
+_LAYOUT_KEYS = ("shard_size", "skip_prompts")
+# What else decides a response: new shards written with other values would be silently mixed with
+# the old ones (and meta.json would describe only the latest), so they must match when any is written.
+_GENERATION_KEYS = ("model", "max_new_tokens", "max_prompt_tokens", "sample_share", "temperature", "seed")
+
+
+def _check_same_layout(meta_path: Path, meta: dict, writing: bool) -> None:
+    """Refuse a folder written with another layout, or (when shards are to be written) other
+    generation settings. Only num_prompts (the folder grows) and the prompts file's path may change."""
     if not meta_path.exists():
         return
     old = json.loads(meta_path.read_text())
-    for key, default in (("shard_size", None), ("skip_prompts", 0)):
-        if old.get(key, default) != meta[key]:
-            raise ValueError(f"{meta_path.parent} was written with {key}={old.get(key, default)}, not "
-                             f"{meta[key]}: use the same value or another data folder")
+    old.setdefault("skip_prompts", 0)  # written before the option existed
+    for key in _LAYOUT_KEYS + (_GENERATION_KEYS if writing else ()):
+        if key in old and old[key] != meta[key]:
+            raise ValueError(f"{meta_path.parent} was written with {key}={old[key]!r}, not "
+                             f"{meta[key]!r}: use the same value or another data folder")
 
 
 class TokenDataset:

@@ -74,7 +74,9 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
         total = total + weights[2] * bce_m
         parts["bce"] = bce_m.detach()
     with torch.no_grad():
-        parts["acc"] = (draft_logits.argmax(-1) == labels).float().mean()
+        hit = (draft_logits.argmax(-1) == labels).float()
+        parts["acc"] = hit.mean()
+        parts["hit"] = hit  # per row: batch_loss counts it by block position
     return total, parts
 
 
@@ -94,7 +96,8 @@ def batch_loss(drafter, target_lm_head, feats: torch.Tensor, final_hidden: torch
     if b_idx.numel() == 0:
         zero = sum(p.sum() * 0 for p in drafter.parameters())
         return zero, {"ce": zero.detach(), "l1": zero.detach(), "bce": zero.detach(),
-                      "cstar": zero.detach(), "acc": zero.detach(), "slots": 0}
+                      "cstar": zero.detach(), "acc": zero.detach(), "slots": 0,
+                      "slot_hits": torch.zeros(Bk), "slot_rows": torch.zeros(Bk)}
     pos = anchors[b_idx, a_idx] + k_idx  # position of slot k's input: predicts pos + 1
     labels = tokens[b_idx, pos + 1]
     prev = tokens[b_idx, pos]  # teacher forcing: x_{k-1} = tok[a+k] (the anchor for k = 0)
@@ -110,9 +113,14 @@ def batch_loss(drafter, target_lm_head, feats: torch.Tensor, final_hidden: torch
     conf = drafter.confidence(hs, prev)
     total, parts = loss_fn(d_logits, t_logits, labels, conf, k_idx, gamma, draft_to_target=d2t, target_lse=lse)
     parts["slots"] = int(b_idx.numel())
+    # teacher-forced agreement by block position (outside loss_fn: bincount's size is data-dependent)
+    parts["slot_hits"] = torch.bincount(k_idx, weights=parts.pop("hit"), minlength=Bk).float().cpu()
+    parts["slot_rows"] = torch.bincount(k_idx, minlength=Bk).float().cpu()
     return total, parts
 
 
-def expected_tau(cstar_per_slot: torch.Tensor) -> float:
-    """1 + sum_k prod_{i<=k} c*_i for a [Bk] vector of mean acceptance rates (a rough tau)."""
-    return 1.0 + float(torch.cumprod(cstar_per_slot, 0).sum()) if cstar_per_slot.numel() else math.nan
+def expected_tau(rate_per_slot: torch.Tensor) -> float:
+    """1 + sum_k prod_{i<=k} r_k for a [Bk] vector of per-position acceptance rates (a rough tau).
+    With teacher-forced agreement as r_k (slot k is told the true earlier tokens, so r_k reads as
+    P(slot k right | slots < k right)) this estimates greedy tau on the batches it was measured on."""
+    return 1.0 + float(torch.cumprod(rate_per_slot, 0).sum()) if rate_per_slot.numel() else math.nan

@@ -27,7 +27,16 @@ from dspark.train.data import TokenDataset
 from dspark.train.drafter_init import DTYPES
 from dspark.train.feature_cache import FeatureCache, target_key
 from dspark.train.features import sample_anchors, target_features
-from dspark.train.loss import batch_loss, dspark_loss
+from dspark.train.loss import batch_loss, dspark_loss, expected_tau
+
+SLOT_COUNTS = ("slot_hits", "slot_rows")  # [block] tensors a step sums over its micro-batches
+
+
+def slot_summary(hits: torch.Tensor, rows: torch.Tensor) -> dict:
+    """Teacher-forced agreement with the target by block position, and the greedy tau it implies
+    on these (seen) training batches: an optimistic preview of eval-drafter's tau."""
+    acc = hits / rows.clamp(min=1)
+    return {"acc_by_slot": [round(float(a), 4) for a in acc], "tau_est": round(expected_tau(acc), 4)}
 
 
 @dataclass
@@ -162,7 +171,7 @@ class Trainer:
         lr = self.lr_at(self.step)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        agg: dict[str, float] = {}
+        agg: dict = {}
         slots = 0
         for j in range(c.grad_accum):
             loss, parts = self.micro_loss(self.step * c.grad_accum + j)
@@ -172,7 +181,10 @@ class Trainer:
             slots += parts["slots"]
             agg["loss"] = agg.get("loss", 0.0) + float(loss.detach()) / c.grad_accum
             for k, v in parts.items():
-                agg[k] = agg.get(k, 0.0) + float(v) / c.grad_accum
+                if k in SLOT_COUNTS:  # summed, not averaged
+                    agg[k] = agg[k] + v if k in agg else v
+                else:
+                    agg[k] = agg.get(k, 0.0) + float(v) / c.grad_accum
         if c.grad_accum > 1:
             for p in self.params:
                 if p.grad is not None:
@@ -246,6 +258,7 @@ class Trainer:
         t_last = time.perf_counter()
         seqs_per_s, stopped = None, "steps"
         run_avg: dict[str, float] = {}
+        window = {k: 0.0 for k in SLOT_COUNTS}  # per-position counts since the last log record
         while self.step < c.steps:
             if c.deadline is not None and time.time() >= c.deadline:
                 stopped = "time budget"
@@ -254,6 +267,8 @@ class Trainer:
             now = time.perf_counter()
             dt, t_last = now - t_last, now
             self.elapsed += dt
+            for k in SLOT_COUNTS:
+                window[k] = window[k] + parts.pop(k)
             for k, v in parts.items():
                 run_avg[k] = v if k not in run_avg else 0.9 * run_avg[k] + 0.1 * v
             if self.step - start >= 2:  # skip warm-up steps in the speed estimate
@@ -262,10 +277,14 @@ class Trainer:
             if self.step % c.log_every == 0 or self.step == c.steps:
                 rec = {"step": self.step, "elapsed_s": round(self.elapsed, 1)}
                 rec.update({k: round(v, 5) for k, v in parts.items()})
+                rec.update(slot_summary(window["slot_hits"], window["slot_rows"]))
+                window = {k: 0.0 for k in SLOT_COUNTS}
+                run_avg["tau_est"] = rec["tau_est"]
                 self.history.append(rec)
                 if not c.progress:
                     print(json.dumps(rec | {"seqs_per_s": round(seqs_per_s or 0.0, 2)}), flush=True)
-            bar.set_postfix({k: f"{run_avg[k]:.3f}" for k in ("loss", "ce", "l1", "bce", "acc") if k in run_avg},
+            bar.set_postfix({k: f"{run_avg[k]:.3f}" for k in ("loss", "ce", "l1", "bce", "acc", "tau_est")
+                             if k in run_avg},
                             refresh=False)
             bar.update(1)
             if c.save_every and self.step % c.save_every == 0 and self.step < c.steps:

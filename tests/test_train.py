@@ -547,7 +547,13 @@ def test_eval_drafter_reports_per_category(tiny_folder, target, tmp_path):
     assert res["tau_category_mean"] == pytest.approx(sum(c["tau"] for c in cats.values()) / 2, abs=1e-3)
     assert len(res["acceptance_per_position"]) == 4
     assert all(len(c["acceptance_per_position"]) == 4 for c in cats.values())
-    assert res["confidence_savings"]["steps_recorded"] > 0
+    assert res["confidence_savings"]["steps_recorded"] > 0 and res["tree_budget"] is None
+    assert main(["eval-drafter", "--drafter", str(tmp_path / "d"), "--prompts", str(pf), "--model", tiny_folder,
+                 "--device", "cpu", "--dtype", "float32", "--per-category", "2", "--max-tokens", "10",
+                 "--tree-budget", "6", "--out", str(out)]) == 0
+    tree = json.loads(out.read_text())
+    assert tree["tree_budget"] == 6 and tree["output_tokens"] == 40 and tree["tau"] >= 1.0
+    assert tree["confidence_savings"]["steps_recorded"] == 0  # trees are pruned by probability, not confidence
 
 
 def test_trainer_refuses_dflash_and_freezes_shared_copies(target, tmp_path):

@@ -88,6 +88,8 @@ def add_train_parsers(sub) -> None:
     e.add_argument("--max-tokens", type=int, default=256)
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--tree-budget", type=int, default=None,
+                   help="verify draft trees of this many nodes instead of chains")
     e.add_argument("--model", default=None)
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto")
@@ -214,7 +216,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     res = evaluate(args.drafter, args.prompts, num_prompts=args.num_prompts, per_category=args.per_category,
                    max_tokens=args.max_tokens, temperature=args.temperature, model=args.model,
                    device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                   block_size=args.block_size)
+                   block_size=args.block_size, tree_budget=args.tree_budget)
     text = json.dumps(res, indent=2)
     print(text)
     if args.out:

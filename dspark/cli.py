@@ -27,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs (used by default on CUDA with the flashinfer backend)")
 
 
-def engine_config(args: argparse.Namespace, default_policy: str = "fixed"):
+def engine_config(args: argparse.Namespace, default_policy: str = "fixed"):  # noqa: ANN201 - an EngineConfig
+    """The EngineConfig the shared engine flags describe (imported late: `dspark --help` stays fast)."""
     from dspark.config import EngineConfig, SpecConfig
 
     spec = SpecConfig(drafter=args.drafter, block_size=args.block_size, tree=args.tree,

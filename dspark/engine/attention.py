@@ -139,7 +139,7 @@ class TorchAttention:
         return out
 
 
-def make_backend(name: str, device: str | torch.device, static=None, workspace: torch.Tensor | None = None):
+def make_backend(name: str, device: str | torch.device, static=None, workspace: torch.Tensor | None = None):  # noqa: ANN201 - TorchAttention or FlashInferAttention
     """Pick an attention backend: "torch", "flashinfer" or "auto". static (a StaticBatch) asks for
     CUDA-graph-safe buffers and workspace shares another FlashInfer backend's scratch memory; the
     torch backend, which is never captured, ignores both."""

@@ -12,6 +12,8 @@ from dspark.config import SamplingParams
 
 
 class Status(enum.Enum):
+    """Where a sequence is in its life: queued, in the running batch, or done."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

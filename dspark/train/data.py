@@ -62,6 +62,8 @@ def read_prompts(path: str | Path, limit: int | None = None, skip: int = 0) -> l
 
 @dataclass
 class GenSettings:
+    """How the target writes its training responses (stored in the data folder's meta.json)."""
+
     max_new_tokens: int = 256
     max_prompt_tokens: int = 768
     sample_share: float = 0.25
@@ -164,7 +166,8 @@ class _DenseGen:
 BACKENDS = {"engine": _EngineGen, "hf": _HFGen, "dense": _DenseGen}
 
 
-def make_generator(model, device: str, dtype: torch.dtype, s: GenSettings):
+def make_generator(model, device: str, dtype: torch.dtype, s: GenSettings):  # noqa: ANN201 - one of BACKENDS
+    """The response writer s.backend names ("auto": the dense batched decoder on CUDA, our engine on CPU)."""
     backend = s.backend
     if backend == "auto":
         backend = "dense" if str(device).startswith("cuda") else "engine"

@@ -80,7 +80,8 @@ def checkpoint_bytes(drafter: BlockDrafter, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in drafter.parameters()) * size
 
 
-def load_target(model: str | None, device: str, dtype: torch.dtype):
+def load_target(model: str | None, device: str, dtype: torch.dtype) -> tuple:
+    """(frozen LlamaModel in eval mode, its tokenizer) for a model path or the default model."""
     from dspark.models.llama import LlamaConfig, LlamaModel
     from dspark.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model_folder
 

@@ -41,6 +41,8 @@ def slot_summary(hits: torch.Tensor, rows: torch.Tensor) -> dict:
 
 @dataclass
 class TrainConfig:
+    """Optimisation settings of one training run (stored in every checkpoint's state.json)."""
+
     steps: int = 2000
     batch_size: int = 8  # sequences per micro-batch
     grad_accum: int = 1

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Past any vocabulary size top_k means "off"; beyond int64 it would fail inside a batched engine step
+# (taking the other requests in that step down with it), so it is refused up front.
+MAX_TOP_K = 2**31 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -36,8 +40,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1
+                or self.top_k > MAX_TOP_K):
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, "
+                             f"got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for s in self.stop:

@@ -66,6 +66,9 @@ INVALID = [
     (CHAT, {"messages": MSGS, "n": 3}, "n"), (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
     (C, {"prompt": PROMPT, "min_tokens": 4}, "min_tokens"), (CHAT, {"messages": MSGS, "min_p": 0.1}, "min_p"),
     (CHAT, {"messages": MSGS, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+    # past int64 top_k used to fail inside the batched step, failing every request in it (500)
+    (C, {"prompt": PROMPT, "top_k": 2**63}, "top_k"), (CHAT, {"messages": MSGS, "top_k": 2**31}, "top_k"),
+    (CHAT, {"messages": MSGS, "add_generation_prompt": False}, "add_generation_prompt"),
     (C, {"prompt": PROMPT, "stop_token_ids": [-1]}, None), (C, {"prompt": PROMPT, "stop_token_ids": 2},
                                                             "stop_token_ids"),
 ]
@@ -100,6 +103,28 @@ def test_errors_then_keeps_serving(server):
     _ok(server)
     models = client.models.list().data
     assert [m.id for m in models] == server.state.names
+
+
+def test_version_cors_default_model_and_content_parts(server):
+    from dspark import SamplingParams, __version__
+
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**40).validate()
+    r = httpx.get(server.url + "/version")
+    assert r.status_code == 200 and r.json() == {"version": __version__}
+    pre = httpx.options(server.url + CHAT, headers={"Origin": "http://ui.example", "Access-Control-Request-Method":
+                                                    "POST", "Access-Control-Request-Headers": "content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    r = httpx.post(server.url + C, json={"model": "", "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["model"] == server.state.names[0]  # "" is the default model, as in vLLM
+
+    def prompt_tokens(content) -> int:
+        r = httpx.post(server.url + CHAT, json={"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    parts = [{"type": "text", "text": "Say A"}, {"type": "text", "text": "then B"}]
+    assert prompt_tokens(parts) == prompt_tokens("Say A\nthen B") != prompt_tokens("Say Athen B")
 
 
 def test_api_key(engine):

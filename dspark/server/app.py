@@ -15,10 +15,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark import __version__
 from dspark.config import EngineConfig
 from dspark.engine.engine import Engine
 from dspark.scheduler.scheduler import AsyncEngine
@@ -87,8 +89,9 @@ class ServerState:
         return self.scheduler
 
     def check_model(self, name: str | None) -> str:
-        """The model name to answer with; APIError(404) for a name this server does not serve."""
-        if name is None or name in self.names:
+        """The model name to answer with (an absent or empty one means the first served name, as in
+        vLLM); APIError(404) for a name this server does not serve."""
+        if not name or name in self.names:
             return name or self.names[0]
         raise APIError(404, f"The model `{name}` does not exist. Available: {', '.join(self.names)}",
                        param="model")
@@ -106,10 +109,11 @@ class ServerState:
 def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
                served_model_name: str | list[str] | None = None, api_key: str | None = None,
                max_queue: int = 256, shutdown_timeout: float = 30.0, log_interval: float = 5.0,
-               metrics_window_s: float = 10.0) -> FastAPI:
+               metrics_window_s: float = 10.0, allowed_origins: list[str] | tuple[str, ...] = ("*",)) -> FastAPI:
     """An app serving a loaded Engine, or an EngineConfig (None: defaults) loaded in the background.
 
     api_key: when set, /v1/* need `Authorization: Bearer <api_key>` (health and metrics stay open).
+    allowed_origins: browser origins CORS admits (vLLM's default: any; credentials are never allowed).
     max_queue: requests allowed beyond max_num_seqs before 429. shutdown_timeout: seconds running
     requests get to finish at shutdown before they are aborted.
     """
@@ -129,8 +133,11 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
             await state.scheduler.drain(state.shutdown_timeout)
             await state.scheduler.stop()
 
-    app = FastAPI(title="dspark", lifespan=lifespan)
+    app = FastAPI(title="dspark", version=__version__, lifespan=lifespan)
     app.state.dspark = state
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -155,6 +162,10 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
         status = state.status
         return JSONResponse({"status": "ok" if status == "ready" else status},
                             status_code=200 if status == "ready" else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

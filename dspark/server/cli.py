@@ -23,7 +23,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
     app = create_app(config, served_model_name=args.served_model_name, api_key=api_key,
-                     max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
+                     max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+                     allowed_origins=args.allowed_origins)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                timeout_graceful_shutdown=args.shutdown_timeout)
     GracefulServer(uv_config, app.state.dspark).run()
@@ -45,5 +46,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
                    help="model name(s) clients use (default: the model's name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--allowed-origins", nargs="*", default=["*"],
+                   help="browser origins allowed by CORS (default: any; none: CORS off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

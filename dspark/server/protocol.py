@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dspark.config import SamplingParams
+from dspark.config import MAX_TOP_K, SamplingParams
 
 # OpenAI fields we do not implement, with the values that mean "off"
 _UNSUPPORTED: dict[str, tuple] = {
@@ -21,7 +21,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
     # vLLM's extra sampling and template fields
     "min_tokens": (None, 0), "min_p": (None, 0), "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True), "continue_final_message": (None, False),
+    "skip_special_tokens": (None, True), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,),
 }
@@ -70,7 +70,7 @@ class _Common(_Strict):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -136,7 +136,8 @@ class ChatMessage(_Strict):
 
     def as_dict(self) -> dict:
         """{"role", "content"} for the chat template ("developer" becomes "system")."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        # text parts joined by newlines, as vLLM's chat_utils does
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 

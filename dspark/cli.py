@@ -12,9 +12,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="drafter folder, 'ngram' or 'none' (default: the shipped one)")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
     p.add_argument("--tree", action="store_true", help="verify a draft tree instead of a chain")
-    p.add_argument("--tree-budget", type=int, default=16, help="draft tree nodes per request")
+    p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per request (default: 16)")
     p.add_argument("--spec-policy", default=None, choices=["fixed", "threshold", "load-aware"])
-    p.add_argument("--threshold", type=float, default=0.5, help="confidence cut for --spec-policy threshold")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="confidence cut for --spec-policy threshold (default: 0.5)")
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32), fp32, bf16, fp16")
     p.add_argument("--device", default="auto")
@@ -27,13 +28,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs (used by default on CUDA with the flashinfer backend)")
 
 
-def engine_config(args: argparse.Namespace, default_policy: str = "fixed"):  # noqa: ANN201 - an EngineConfig
-    """The EngineConfig the shared engine flags describe (imported late: `dspark --help` stays fast)."""
+def ignored_flags(args: argparse.Namespace, policy: str, tree_by_method: bool = False) -> list[str]:
+    """Warnings for engine flags given where they change nothing (a typo'd setup otherwise runs
+    silently with defaults). tree_by_method: `bench` turns trees on per method (dspark-tree)."""
+    out = []
+    if args.threshold is not None and policy != "threshold":
+        out.append(f"--threshold only applies to --spec-policy threshold (this run uses {policy})")
+    if args.tree_budget is not None and not args.tree and not tree_by_method:
+        out.append("--tree-budget only applies with --tree")
+    if args.drafter == "none" and (args.block_size is not None or args.tree or args.spec_policy is not None):
+        out.append("--drafter none: --block-size, --tree and --spec-policy have no effect")
+    return out
+
+
+def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # noqa: ANN201 - an EngineConfig
+                  tree_by_method: bool = False):
+    """The EngineConfig the shared engine flags describe (imported late: `dspark --help` stays
+    fast); warns on stderr about flags that would have no effect."""
     from dspark.config import EngineConfig, SpecConfig
 
-    spec = SpecConfig(drafter=args.drafter, block_size=args.block_size, tree=args.tree,
-                      tree_budget=args.tree_budget, policy=args.spec_policy or default_policy,
-                      threshold=args.threshold)
+    policy = args.spec_policy or default_policy
+    for note in ignored_flags(args, policy, tree_by_method):
+        print(f"warning: {note}", file=sys.stderr)
+    given = {k: v for k, v in (("tree_budget", args.tree_budget), ("threshold", args.threshold)) if v is not None}
+    spec = SpecConfig(drafter=args.drafter, block_size=args.block_size, tree=args.tree, policy=policy, **given)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

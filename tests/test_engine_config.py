@@ -41,6 +41,30 @@ def test_cli_reports_a_bad_flag(capsys):
     assert "max_num_seqs must be an integer >= 1" in capsys.readouterr().err
 
 
+def test_flags_without_effect_are_warned_about(capsys):
+    import argparse
+
+    from dspark.cli import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+
+    def warnings(argv: list[str], **kw) -> str:
+        engine_config(p.parse_args(argv), **kw)
+        return capsys.readouterr().err
+
+    assert warnings([]) == "" and warnings(["--tree", "--tree-budget", "8", "--spec-policy", "threshold",
+                                            "--threshold", "0.3"]) == ""
+    assert "--threshold only applies" in warnings(["--threshold", "0.3"])
+    assert "--threshold only applies" in warnings(["--threshold", "0.3"], default_policy="load-aware")
+    assert "--tree-budget only applies with --tree" in warnings(["--tree-budget", "8"])
+    assert warnings(["--tree-budget", "8"], tree_by_method=True) == ""  # bench's dspark-tree method
+    assert "--drafter none" in warnings(["--drafter", "none", "--block-size", "4"])
+    spec = engine_config(p.parse_args(["--tree", "--tree-budget", "8"])).spec
+    assert (spec.tree_budget, spec.threshold) == (8, 0.5)  # given values, else SpecConfig's defaults
+    assert engine_config(p.parse_args([])).spec.tree_budget == 16
+
+
 def test_serve_exits_when_the_engine_cannot_load(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}

@@ -91,7 +91,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if path is None:
         raise FileNotFoundError("no default prompts file (../shared/data/dev_prompts.jsonl); pass --prompts")
     prompts = load_prompts(path, args.num_prompts, args.category)
-    report = run_bench(engine_config(args), methods, prompts, batch_size=args.batch_size,
+    cfg = engine_config(args, tree_by_method="dspark-tree" in methods)
+    report = run_bench(cfg, methods, prompts, batch_size=args.batch_size,
                        max_tokens=args.max_tokens, warmup=args.warmup, chat=args.chat,
                        interleave=not args.sequential)
     report["prompts"] = str(path)

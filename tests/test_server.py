@@ -203,6 +203,32 @@ def test_disconnect_frees_pages(ngram_server):
     assert ngram_server.state.engine.pool.num_free == ngram_server.state.engine.pool.num_pages
 
 
+def test_token_counters_follow_a_stream(ngram_server):
+    """Prompt and generation token counters move while a stream runs (counted as tokens are
+    delivered, before the client sees them), and end equal to the response's usage."""
+    url, model = ngram_server.url, ngram_server.state.names[0]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    chunks, usage = 0, None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            if event["choices"] and event["choices"][0]["text"]:
+                chunks += 1
+                if chunks == 3:  # mid-stream: every token received so far is already counted
+                    m = scrape(url)
+                    assert metric(m, "dspark:generation_tokens_total") >= chunks
+                    assert metric(m, "dspark:prompt_tokens_total") > 0
+                    assert metric(m, "dspark:request_success_total") == 0  # still running
+    m = scrape(url)
+    assert usage["completion_tokens"] == 60
+    assert metric(m, "dspark:generation_tokens_total") == usage["completion_tokens"]
+    assert metric(m, "dspark:prompt_tokens_total") == usage["prompt_tokens"]
+
+
 def test_client_gone_before_the_stream_starts(ngram_server):
     """A streaming client that hangs up right after sending its request, before any response byte,
     still has its request aborted and its pages freed."""

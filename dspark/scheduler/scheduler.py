@@ -260,7 +260,7 @@ class AsyncEngine:
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         eng, now = self.engine, time.perf_counter()
-        new_tokens, inter, finished = 0, [], []
+        new_tokens, prompt_tokens, inter, finished = 0, 0, [], []
         for out in outs:
             tr = self._track.get(out.request_id)
             if tr is None:
@@ -270,6 +270,7 @@ class AsyncEngine:
                 new_tokens += n
                 if tr.first is None:
                     tr.first = now
+                    prompt_tokens += len(out.prompt_token_ids)
                 else:
                     inter.append(((now - tr.last) / n, n))
                 tr.last = now
@@ -284,7 +285,7 @@ class AsyncEngine:
         self._seen = (st.steps, st.generated)
         self._busy = True
         record = StepRecord(now, len(eng.running), len(eng.waiting), eng.pool.usage(), eng.num_preemptions,
-                            new_tokens, inter)
+                            new_tokens, inter, prompt_tokens)
         for listener in self.listeners:
             try:
                 listener.on_step(record)

@@ -28,6 +28,7 @@ class StepRecord:
     new_tokens: int  # tokens delivered to clients by this step
     # per generated token: (seconds between two deliveries / tokens delivered, token count)
     inter_token: list[tuple[float, int]] = field(default_factory=list)
+    prompt_tokens: int = 0  # prompt tokens of the requests whose first token this step delivered
 
 
 @dataclass

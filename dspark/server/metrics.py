@@ -1,14 +1,17 @@
 """Prometheus metrics with vLLM's names under the `dspark:` prefix, on a private registry.
 
-Fed by the scheduler's worker thread (`StatsListener`): gauges and inter-token latency after
-every step, everything per request when it finishes. Counter semantics:
+Fed by the scheduler's worker thread (`StatsListener`): gauges, token counters and inter-token
+latency after every step, the rest per request when it finishes. Counter semantics:
 
+- prompt_tokens: a request's prompt once its first token is delivered (its prefill is done);
+  generation_tokens: tokens as they are delivered, so rate() follows long streams as vLLM's does.
+  Both are counted before the client sees those tokens, and add up to the responses' usage.
 - spec_decode_num_drafts: target passes of decoding requests (one per request per step,
   whether or not the drafter proposed anything), so mean acceptance length
   1 + accepted / drafts matches vLLM's formula, and generation tokens / drafts ~ tau.
 - spec_decode_num_draft_tokens: draft tokens the drafter proposed; ..._verified_tokens: the
   ones the policy sent to the target; ..._accepted_tokens: the ones the target kept.
-- All of them, the token counters and request_success_total{finished_reason} are added when
+- The spec_decode counters and request_success_total{finished_reason} are added when
   a request ends (aborted ones included, under finished_reason="abort"), from the same
   SpecStats a response reports under "speculation", so they always agree with the responses.
 - inter_token_latency_seconds is observed once per generated token: a step that delivers n
@@ -54,8 +57,8 @@ class ServerMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Time to the first token.", _LATENCY)
         self.itl = hist("inter_token_latency_seconds", "Time per generated token after the first.", _ITL)
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _E2E)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill finished.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens delivered to clients.")
         self.success = Counter(P + "request_success", "Finished requests by finish reason.",
                                names + ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
@@ -89,6 +92,8 @@ class ServerMetrics:
         self.running.set(record.running)
         self.waiting.set(record.waiting)
         self.kv_usage.set(record.kv_usage)
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.generation_tokens.inc(record.new_tokens)
         if record.num_preemptions > self._preemptions_seen:
             self.preemptions.inc(record.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = record.num_preemptions
@@ -98,8 +103,6 @@ class ServerMetrics:
 
     def on_finish(self, req: FinishedRequest) -> None:
         self.success.labels(*self._labels, req.finish_reason).inc()
-        self.prompt_tokens.inc(req.prompt_tokens)
-        self.generation_tokens.inc(req.output_tokens)
         if req.ttft is not None:
             self.ttft.observe(req.ttft)
         self.e2e.observe(req.e2e)

@@ -16,7 +16,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -27,6 +27,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()  # as vLLM: a bad value fails here, not once generation starts
 
     @property
     def greedy(self) -> bool:
@@ -34,7 +35,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
@@ -106,7 +108,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per forward (prefill chunking)
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the flashinfer backend)
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
-    seed: int = 0
+    seed: int = 0  # seeds the per-request seeds of requests that give none (reproducible runs, as vLLM)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def validate(self) -> None:

@@ -1,54 +1,103 @@
-"""Offline batch generation: `LLM(model=..., drafter=...).generate(prompts, params)`."""
+"""Offline batch generation: `LLM(model=..., drafter=...).generate(prompts, sampling_params)`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
+from typing import Any
 
 from dspark.config import EngineConfig, SamplingParams, SpecConfig
 from dspark.engine.engine import Engine
 from dspark.engine.sequence import RequestOutput
 
 
+def _is_chat(x: Any) -> bool:
+    """A conversation: a non-empty list of message dicts (each with a role)."""
+    return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "role" in m for m in x)
+
+
+def _one_prompt(p: Any) -> str | list[int] | list[dict]:
+    """vLLM's prompt forms for one request: a string, token ids, {"prompt": str},
+    {"prompt_token_ids": ids}, or (ours) a conversation."""
+    if isinstance(p, dict):
+        if set(p) == {"prompt"} and isinstance(p["prompt"], str):
+            return p["prompt"]
+        if set(p) == {"prompt_token_ids"} and isinstance(p["prompt_token_ids"], list):
+            return p["prompt_token_ids"]
+        raise TypeError(f"a prompt dict takes only 'prompt' (a string) or 'prompt_token_ids' (a list), "
+                        f"got keys {sorted(p)}")
+    return p
+
+
+def _prompt_list(prompts: Any) -> list:
+    """One prompt or a list of them -> a list of prompts."""
+    single = (isinstance(prompts, (str, dict)) or _is_chat(prompts)
+              or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)))
+    return [_one_prompt(prompts)] if single else [_one_prompt(p) for p in prompts]
+
+
 class LLM:
-    """Generates for a list of prompts (strings, token id lists, or chat message lists)."""
+    """Generates for a list of prompts (strings, token id lists, vLLM's prompt dicts, or
+    conversations given as lists of chat messages)."""
 
     def __init__(self, model: str | None = None, drafter: str | None = None, **kwargs):
         spec_keys = {f.name for f in dataclasses.fields(SpecConfig)}
         spec = SpecConfig(drafter=drafter, **{k: kwargs.pop(k) for k in list(kwargs) if k in spec_keys})
         self.engine = Engine(EngineConfig(model=model, spec=spec, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        self._calls = itertools.count()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
         llm.engine = Engine(config)
         llm.tokenizer = llm.engine.tokenizer
+        llm._calls = itertools.count()
         return llm
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
-            prompts = [prompts]
-        if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-            prompts = [prompts]
+        """One finished RequestOutput per prompt, in order. If anything fails or is interrupted
+        (Ctrl-C) on the way, this call's requests are aborted, so the engine is left clean."""
+        prompts = _prompt_list(prompts)
+        params = sampling_params
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        ids = []
+        call = next(self._calls)
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-                rid = f"offline-{id(self)}-{i}"
+                rid = f"offline-{call}-{i}"
                 self.engine.add_request(rid, prompt, dataclasses.replace(p))
                 ids.append(rid)
-        except Exception:
+            mine = set(ids)
+            from tqdm import tqdm
+
+            with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
+                while len(done) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in mine:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
             for rid in ids:
-                self.engine.abort(rid)
-            self.engine.step()  # drain the aborted outputs
+                if rid not in done:
+                    self.engine.abort(rid)  # frees its pages at once
+            # drain their outputs now; if the engine itself is failing, a later step drains them
+            # (request ids are unique per call, so they never clash with the next call's)
+            with contextlib.suppress(Exception):
+                self.engine.step()
             raise
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
         return [done[r] for r in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """generate() for one conversation or a list of them, through the model's chat template."""
+        convs = [messages] if _is_chat(messages) else list(messages)
+        if not all(_is_chat(c) for c in convs):
+            raise TypeError("chat() takes a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        return self.generate(convs, sampling_params, use_tqdm)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dspark.engine.sequence import Sequence
 
 
-def decode_new_text(tokenizer, seq: Sequence, flush: bool = False) -> str:
-    """Text added by the tokens appended since the last call. Holds back bytes that do not
-    yet form a whole character (unless flush), decoding only a short window of recent tokens."""
-    ids = seq.output_ids
+def decode_new_text(tokenizer, seq: Sequence, flush: bool = False, end: int | None = None) -> str:
+    """Text added by the tokens appended since the last call (output ids before `end` only).
+    Holds back bytes that do not yet form a whole character (unless flush), decoding only a
+    short window of recent tokens."""
+    ids = seq.output_ids if end is None else seq.output_ids[:end]
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
     if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):

@@ -10,8 +10,10 @@ With no drafter the chains are just [anchor]: plain decoding.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import random
 import time
 
 import torch
@@ -73,6 +75,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._seeds = random.Random(config.seed)  # for requests without their own seed
         self.num_preemptions = 0
         self.spec_stats = SpecStats()  # engine-wide totals
         self._finished_pending: list[Sequence] = []
@@ -113,7 +116,9 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} "
                              "tokens and needs room for at least one generated token")
-        seed = params.seed if params.seed is not None else torch.randint(0, 2**62, (1,)).item()
+        if params.max_tokens is None:  # up to the context (the server resolves it before it gets here)
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         gen = None if params.greedy else torch.Generator().manual_seed(seed)
         seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_ids=ids, params=params,
                        generator=gen, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
@@ -275,28 +280,30 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         p = seq.params
-        count = 0
+        count, stop_token = 0, False
         for tok in new:
             seq.output_ids.append(tok)
             count += 1
             if tok in seq.eos_ids or tok in p.stop_token_ids:
-                seq.finish_reason = "stop"
+                seq.finish_reason, stop_token = "stop", True
             elif len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
             if p.stop:  # token by token, so the output ends at the token that completes a stop string
-                self._append_text(seq)
+                self._append_text(seq, stop_token)
             if seq.finish_reason:
                 break
         if not p.stop:
-            self._append_text(seq)
+            self._append_text(seq, stop_token)
         if seq.finish_reason:
             self._finish(seq, seq.finish_reason)
         return count
 
-    def _append_text(self, seq: Sequence) -> None:
+    def _append_text(self, seq: Sequence, stop_token: bool = False) -> None:
         """Detokenize the tokens appended since the last call; a stop string cuts the text and
-        finishes the request."""
-        delta = decode_new_text(self.tokenizer, seq, flush=seq.finish_reason is not None)
+        finishes the request. A stop token (EOS or stop_token_ids) stays in the token ids but not
+        in the text, as in vLLM."""
+        end = len(seq.output_ids) - 1 if stop_token else None
+        delta = decode_new_text(self.tokenizer, seq, flush=seq.finish_reason is not None, end=end)
         seq.text += delta
         if seq.params.stop and delta:
             cut = find_stop(seq.text, seq.params.stop, len(delta))

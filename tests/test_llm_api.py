@@ -1,0 +1,92 @@
+"""The offline `LLM` API as a vLLM user expects it: prompt dicts and the `sampling_params`
+keyword, `chat`, an interrupted call that leaves the engine clean, settings checked at
+construction, `max_tokens=None`, reproducible unseeded sampling from the engine's seed, and stop
+tokens kept out of the text."""
+
+from __future__ import annotations
+
+import pytest
+from spec_helpers import alphabet_prompts
+
+from dspark.config import SamplingParams
+from dspark.llm import LLM
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(folders):
+    return LLM(model=folders["target"], drafter="none", device="cpu", dtype="float32", max_model_len=96)
+
+
+def test_prompt_forms_keyword_and_chat(llm):
+    ids = alphabet_prompts([12], seed=1)[0]
+    ref = llm.generate([ids], GREEDY)[0].token_ids
+    assert llm.generate(ids, sampling_params=GREEDY)[0].token_ids == ref
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY)[0].token_ids == ref
+    assert [o.token_ids for o in llm.generate([{"prompt_token_ids": ids}, ids], GREEDY)] == [ref, ref]
+    assert llm.generate({"prompt": "a b c"}, GREEDY)[0].token_ids == llm.generate("a b c", GREEDY)[0].token_ids
+    with pytest.raises(TypeError, match="prompt_token_ids"):
+        llm.generate({"text": "a b c"}, GREEDY)
+    conv = [{"role": "user", "content": "hi"}]
+    assert llm.chat(conv, GREEDY)[0].token_ids == llm.generate([conv], GREEDY)[0].token_ids
+    assert len(llm.chat([conv, conv], GREEDY)) == 2
+    assert not llm.engine.has_unfinished()
+
+
+def test_interrupted_generate_leaves_the_engine_clean(llm, monkeypatch):
+    eng = llm.engine
+    real, calls = eng.step, [0]
+
+    def interrupted():
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(eng, "step", interrupted)
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = alphabet_prompts([10, 14], seed=2)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, p)
+    monkeypatch.setattr(eng, "step", real)
+    assert not eng.has_unfinished() and eng.pool.num_free == eng.pool.num_pages
+    assert len(llm.generate(prompts[:1], p)[0].token_ids) == 40  # the next call works
+
+
+def test_settings_checked_at_construction_and_max_tokens_none(llm):
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    ids = alphabet_prompts([12], seed=1)[0]
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == llm.engine.max_model_len == 96
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(folders):
+    sp = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    prompt = [1, 3, 5, 7, 9]  # the small random target: its sampling is really random
+
+    def run(seed: int) -> list[list[int]]:
+        llm = LLM(model=folders["small_target"], drafter="none", device="cpu", dtype="float32", seed=seed)
+        return [o.token_ids for o in llm.generate([prompt, prompt], sp)]
+
+    a = run(7)
+    assert a == run(7)
+    assert a[0] != a[1]  # each request draws its own seed
+    assert a != run(8)
+
+
+def test_stop_token_stays_in_the_ids_not_the_text(llm):
+    ids = alphabet_prompts([12], seed=1)[0]
+    full = llm.generate(ids, GREEDY)[0]
+    tok = full.token_ids[3]
+    cut = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[tok]))[0]
+    assert cut.finish_reason == "stop" and cut.token_ids[-1] == tok
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)]
+    assert cut.text == llm.tokenizer.decode(cut.token_ids[:-1], skip_special_tokens=True)
+    assert cut.text != llm.tokenizer.decode(cut.token_ids, skip_special_tokens=True)  # tok has text

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad settings, missing or unreadable files (a folder, no permission)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 from dspark.bench.cli import parse_methods
 from dspark.bench.offline import load_prompts
@@ -73,7 +74,7 @@ def test_bench_reports_failing_method(model: None, tmp_path: pathlib.Path, capsy
     rc = main(["bench", "--prompts", str(_prompts(tmp_path)), "--num-prompts", "2", "--max-tokens", "2",
                "--methods", "dspark,ar", "--drafter", str(tmp_path / "missing"), "--warmup", "0",
                "--kv-cache-tokens", "1024", "--threads", "1", *order])
-    assert rc == 0
+    assert rc == 1  # the report is complete, the exit status says a method failed
     report = json.loads(capsys.readouterr().out)
     assert report["interleaved"] is not bool(order)
     assert "error" in report["methods"]["dspark"]
@@ -105,6 +106,20 @@ def test_bench_roofline_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]
     assert "batch sizes must be >= 1" in capsys.readouterr().err
     assert main(["bench", "roofline", "--shape", "tiny", "--device", "cpu", "--verify-tokens", "0"]) != 0
     assert "--verify-tokens" in capsys.readouterr().err
+    assert main(["bench", "roofline", "--shape", "tiny", "--device", "gpu9"]) == 2
+    assert "--device gpu9" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # the default device is cuda: a clear error, not a traceback
+        assert main(["bench", "roofline", "--shape", "tiny"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_bad_prompt_files_are_clear_errors(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--prompts", str(tmp_path)]) == 2
+    assert "error:" in capsys.readouterr().err  # a folder, not a file
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n["not", "an", "object"]\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="rows.jsonl:2: each line must be a JSON object"):
+        load_prompts(rows, 5)
 
 
 def test_interleaved_order_rotates_and_drops_failures() -> None:
@@ -132,3 +147,21 @@ def test_interleaved_order_rotates_and_drops_failures() -> None:
     assert log[3:] == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1),
                        ("a", 2), ("b", 2), ("b", 3), ("a", 3)]
     assert set(runs) == {"a", "b"} and errors == {"c": "RuntimeError: boom"}
+
+
+def test_decode_window_opens_at_the_first_first_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group whose requests start decoding at different times (some admitted later) is timed from
+    the earliest first token, so tokens decoded before the last one started are not rate-free."""
+    from types import SimpleNamespace
+
+    from dspark.bench import offline
+
+    m = object.__new__(offline.EngineMethod)
+    m.run, m.params = offline.MethodRun(stats=[]), None
+    outs = [SimpleNamespace(ttft=0.1, token_ids=list(range(100)), stats=None),
+            SimpleNamespace(ttft=0.9, token_ids=list(range(10)), stats=None)]
+    m.llm = SimpleNamespace(generate=lambda group, params: outs)
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(offline, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    m.measure([[1], [2]])
+    assert m.run.decode_tokens == 108 and m.run.decode_time == pytest.approx(0.9)  # 120 tok/s, not 1080

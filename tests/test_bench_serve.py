@@ -207,3 +207,54 @@ def test_load_report_defaults_label(tmp_path) -> None:
     path = tmp_path / "run-a.json"
     path.write_text(json.dumps({"runs": [{"concurrency": 1}]}), encoding="utf-8")
     assert load_report(path)["label"] == "run-a"
+
+
+def test_timeout_bounds_the_whole_request() -> None:
+    """--timeout limits a request's total time: a stream that keeps trickling chunks (each read
+    well inside httpx's timeout) still fails once the total is exceeded."""
+    import asyncio
+
+    import httpx
+
+    from dspark.bench.client import send_request
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = b'data: {"choices": [{"text": "x", "finish_reason": null}]}\n\n'
+        for _ in range(12):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.2)
+        writer.close()
+
+    async def run(total: float | None) -> RequestResult:
+        srv = await asyncio.start_server(trickle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        async with srv, httpx.AsyncClient(timeout=httpx.Timeout(1.0)) as client:
+            return await send_request(client, f"http://127.0.0.1:{port}/v1/completions", {"prompt": "hi"},
+                                      timeout=total)
+
+    res = asyncio.run(run(1.0))
+    assert not res.success and res.error.startswith("Timeout") and res.ttft is not None
+    untimed = asyncio.run(run(None))  # httpx alone never fires: each chunk comes within 0.2 s
+    assert not untimed.success and not untimed.error.startswith("Timeout")
+
+
+def test_rate_sweep_is_drawn_in_rate_order(tmp_path, monkeypatch) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    axes = []
+    real = plt.subplots
+
+    def capture(*a, **kw):
+        fig, ax = real(*a, **kw)
+        axes.extend(ax)
+        return fig, ax
+
+    monkeypatch.setattr(plt, "subplots", capture)
+    runs = [{"concurrency": None, "num_prompts": 32, "request_rate": r, "output_throughput": r * 10.0,
+             "mean_ttft_ms": 5.0} for r in (8.0, 2.0, 4.0)]
+    plot_reports([{"label": "sweep", "runs": runs}], tmp_path / "p.png")
+    line = axes[0].get_lines()[0]
+    assert list(line.get_xdata()) == [2.0, 4.0, 8.0] and list(line.get_ydata()) == [20.0, 40.0, 80.0]
+    assert axes[0].get_xlabel() == "request rate (req/s)"

@@ -102,6 +102,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.output:
         pathlib.Path(args.output).write_text(text + "\n", encoding="utf-8")
     failed = [m for m, r in report["methods"].items() if "error" in r]
-    if failed:
+    if failed:  # the report still has every method that ran; the status tells a script (as bench serve's does)
         print(f"[bench] failed methods: {', '.join(failed)}", file=sys.stderr)
-    return 0
+    return 1 if failed else 0

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -67,15 +68,17 @@ def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
 
 
 async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                       headers: dict[str, str] | None = None) -> RequestResult:
-    """POST one streaming request and time its chunks; never raises for a failed request."""
+                       headers: dict[str, str] | None = None, timeout: float | None = None) -> RequestResult:
+    """POST one streaming request and time its chunks; never raises for a failed request.
+    timeout: seconds the whole request may take (httpx's own timeouts only bound each read, so a
+    stream that keeps trickling would never end), as vLLM's benchmark does."""
     chat = url.endswith(CHAT)
     res = RequestResult()
     start = time.perf_counter()
     last = None
     done = usage_seen = False
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
+        async with asyncio.timeout(timeout), client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 res.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
@@ -106,6 +109,9 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                     usage_seen = True
                     res.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
                     res.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+    except TimeoutError:
+        res.error = f"Timeout: no complete response within {timeout} s"
+        return res
     except (httpx.HTTPError, httpx.StreamError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res

@@ -111,7 +111,10 @@ class EngineMethod:
         t1 = time.perf_counter()
         ttfts = [o.ttft or 0.0 for o in outs]
         run = self.run
-        run.decode_time += t1 - (t0 + max(ttfts))
+        # from the first first-token: requests admitted later (past max_num_seqs or the prefill
+        # budget) decode alongside earlier ones, whose tokens all count, so a window opened at the
+        # last first-token would miss time that produced counted tokens
+        run.decode_time += t1 - (t0 + min(ttfts))
         run.decode_tokens += sum(max(0, len(o.token_ids) - 1) for o in outs)
         run.ttfts += ttfts
         run.token_ids += [list(o.token_ids) for o in outs]

@@ -56,8 +56,9 @@ def plot_reports(reports: list[dict[str, Any]], output: str | pathlib.Path, titl
     fig, (ax_tp, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
     xlabel = "concurrency"
     for report, label in zip(reports, unique_labels(reports)):
-        runs = sorted(report["runs"], key=lambda r: x_axis([r])[1][0])
-        xlabel, xs = x_axis(runs)
+        xlabel, xs = x_axis(report["runs"])  # decided over all runs: one run alone always reads as concurrency
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        runs, xs = [report["runs"][i] for i in order], [xs[i] for i in order]
         ax_tp.plot(xs, [r.get("output_throughput") for r in runs], marker="o", label=label)
         ax_ttft.plot(xs, [r.get("mean_ttft_ms") for r in runs], marker="o", label=label)
     for ax, ylabel in ((ax_tp, "output throughput (tok/s)"), (ax_ttft, "mean TTFT (ms)")):

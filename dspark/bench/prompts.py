@@ -20,6 +20,8 @@ def load_prompts(path: str | pathlib.Path, num: int, category: str | None = None
             if not line.strip():
                 continue
             row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: each line must be a JSON object, got {type(row).__name__}")
             if category is not None and row.get("category") != category:
                 continue
             text = row["prompt"] if "prompt" in row else (row.get("turns") or [None])[0]

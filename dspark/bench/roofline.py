@@ -219,6 +219,12 @@ def add_roofline_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
 def cmd_roofline(args: argparse.Namespace) -> int:
     if args.verify_tokens < 1 or args.context < 0 or args.reps < 1:
         raise ValueError("--verify-tokens and --reps must be >= 1, --context >= 0")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {args.device}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available here (pass --device cpu to time this CPU)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     report = run_roofline(args.shape, args.device, dtype, _int_list(args.batch_sizes), args.verify_tokens,
                           args.context, args.reps, args.attention_backend)

@@ -83,7 +83,7 @@ async def _run_level(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: st
 
     async def send(i: int) -> RequestResult:
         body = request_body(cfg.endpoint, model, cfg.prompts[i], cfg.max_tokens, cfg.temperature, cfg.ignore_eos)
-        return await send_request(client, url, body, cfg.headers)
+        return await send_request(client, url, body, cfg.headers, cfg.timeout)
 
     before = await scrape_counters(client, cfg.base_url)
     results, duration = await run_load(send, len(cfg.prompts), concurrency, rate, cfg.seed)
@@ -100,7 +100,7 @@ async def _warm_up(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str 
     url = cfg.base_url + cfg.endpoint
     bodies = [request_body(cfg.endpoint, model, cfg.prompts[i % len(cfg.prompts)], cfg.max_tokens,
                            cfg.temperature, cfg.ignore_eos) for i in range(cfg.warmup)]
-    results = await asyncio.gather(*(send_request(client, url, b, cfg.headers) for b in bodies))
+    results = await asyncio.gather(*(send_request(client, url, b, cfg.headers, cfg.timeout) for b in bodies))
     failed = [r.error for r in results if not r.success]
     if failed:
         raise ValueError(f"{len(failed)} of {len(results)} warm-up request(s) failed: {failed[0]}")

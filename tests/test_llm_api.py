@@ -90,3 +90,26 @@ def test_stop_token_stays_in_the_ids_not_the_text(llm):
     assert cut.token_ids == full.token_ids[:len(cut.token_ids)]
     assert cut.text == llm.tokenizer.decode(cut.token_ids[:-1], skip_special_tokens=True)
     assert cut.text != llm.tokenizer.decode(cut.token_ids, skip_special_tokens=True)  # tok has text
+
+
+def test_async_engine_leaves_the_callers_params_alone(llm):
+    """Two requests sharing one SamplingParams, with different max_tokens: each gets its own limit
+    (the worker used to write max_tokens into the shared object, changing the first request's)."""
+    import asyncio
+
+    from dspark.scheduler.scheduler import AsyncEngine
+
+    shared = SamplingParams(temperature=0, ignore_eos=True)
+    prompt = alphabet_prompts([12], seed=1)[0]
+
+    async def run() -> list[int]:
+        sched = AsyncEngine(llm.engine, max_queue=4)
+        sched.start()
+        try:
+            a = await sched.add("shared-a", prompt, shared, max_tokens=3)
+            b = await sched.add("shared-b", prompt, shared, max_tokens=6)
+            return [len((await s.result()).token_ids) for s in (a, b)]
+        finally:
+            await sched.stop()
+
+    assert asyncio.run(run()) == [3, 6] and shared.max_tokens == 16

@@ -169,6 +169,23 @@ def test_oldest_request_keeps_its_pages(folders, plain):
     assert engine.num_preemptions > 0 and outs[0].num_preemptions == 0
 
 
+@pytest.mark.parametrize("drafter", ["dspark", "ngram"])
+def test_drafts_never_cost_a_preemption(folders, plain, drafter):
+    """A 4-page pool: pages for plain steps of both requests exist for a while, but not for both
+    requests' drafts. The newer request then decodes plainly instead of giving up its pages (and
+    being recomputed every step), so drafting costs no more preemptions than plain decoding has."""
+    reqs = [(p, dataclasses.replace(GREEDY, max_tokens=15)) for p in alphabet_prompts([30, 10], seed=5)]
+    counts = []
+    for name in ("none", drafter):
+        engine = make_engine(folders["target"], _drafter(folders, name), kv_cache_tokens=64,
+                             block_size=None if name == "none" else 8)
+        outs = run_requests(engine, [(p, sp, None) for p, sp in reqs])
+        _assert_same(outs, plain(reqs))
+        counts.append(engine.num_preemptions)
+    assert counts[1] <= counts[0], counts
+    assert outs[0].stats.accepted > 0  # the older request kept drafting
+
+
 TREES = [("dspark", 16, 2), ("dspark", 5, 3), ("dflash", 8, 2), ("dspark_rv", 8, 2)]
 
 

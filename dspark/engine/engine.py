@@ -186,19 +186,29 @@ class Engine:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         decode: list[Sequence] = []
+        preempted = False
         for seq in list(self.running):
             if seq.in_prefill or seq not in self.running:
                 continue
+            # Drafts only use pages that are free: when they do not fit, this step decodes plainly
+            # (the same tokens), and preemption only ever makes room for a plain step. Otherwise a
+            # request would give up its pages for draft slots and be recomputed every step.
+            seq.plain_step = False
             need = seq.num_cached + self.spec.max_tokens_for(seq)
+            if not self.pool.can_reserve(seq.seq_id, need):
+                seq.plain_step = True
+                need = seq.num_cached + 1
             while not self.pool.can_reserve(seq.seq_id, need):
                 victim = self._pick_victim(exclude=seq)
                 if victim is None:
                     break
                 self._preempt(victim)
+                preempted = True
                 if victim in decode:
                     decode.remove(victim)
             if not self.pool.can_reserve(seq.seq_id, need):
                 self._preempt(seq)
+                preempted = True
                 continue
             self.pool.reserve(seq.seq_id, need)
             decode.append(seq)
@@ -210,7 +220,9 @@ class Engine:
             if budget <= 0:
                 break
             if seq.status is Status.WAITING:
-                if len(self.running) >= cfg.max_num_seqs:
+                # as vLLM: no admissions in a step that preempted (a victim let in again at once
+                # would only be preempted again)
+                if len(self.running) >= cfg.max_num_seqs or preempted:
                     break
             n = min(budget, seq.prefill_target - seq.num_cached)
             if not seq.output_ids and n == seq.prefill_target - seq.num_cached == 0:
@@ -237,6 +249,7 @@ class Engine:
         """Free a request's pages and queue it for recomputation from its tokens so far."""
         self.pool.free(seq.seq_id)
         seq.num_cached = 0
+        seq.plain_step = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(seq)

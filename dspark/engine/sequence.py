@@ -84,6 +84,7 @@ class Sequence:
     reported_chars: int = 0
     spec_enabled: bool = True
     block_size: int | None = None
+    plain_step: bool = False  # this step decodes without drafts: free pages could not hold its drafts
 
     @property
     def all_ids(self) -> list[int]:

@@ -27,7 +27,7 @@ class SpecRunner:
 
     def draft_budget(self, seq: Sequence) -> int:
         """Most draft tokens worth verifying for seq: never past max_tokens or the context."""
-        if not seq.spec_enabled:
+        if not seq.spec_enabled or seq.plain_step:
             return 0
         block = seq.block_size or self.block_size
         left = seq.params.max_tokens - len(seq.output_ids) - 1

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dspark.config import SamplingParams
@@ -132,7 +132,9 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = self._streams[request_id] = RequestStream(self, request_id)
-        cmd = _Add(request_id, prompt, params, max_tokens, spec, block_size, time.perf_counter())
+        # a copy: the worker sets its max_tokens, and the caller may share one object between requests
+        cmd = _Add(request_id, prompt, replace(params), max_tokens, spec, block_size,
+                   time.perf_counter())
         self._cmds.put(("add", cmd))
         try:
             stream.prompt_tokens = await asyncio.wrap_future(cmd.future)

@@ -44,25 +44,25 @@ class LLM:
     def __init__(self, model: str | None = None, drafter: str | None = None, **kwargs):
         spec_keys = {f.name for f in dataclasses.fields(SpecConfig)}
         spec = SpecConfig(drafter=drafter, **{k: kwargs.pop(k) for k in list(kwargs) if k in spec_keys})
-        self.engine = Engine(EngineConfig(model=model, spec=spec, **kwargs))
-        self.tokenizer = self.engine.tokenizer
-        self._calls = itertools.count()
+        self._attach(Engine(EngineConfig(model=model, spec=spec, **kwargs)))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = Engine(config)
-        llm.tokenizer = llm.engine.tokenizer
-        llm._calls = itertools.count()
+        llm._attach(Engine(config))
         return llm
+
+    def _attach(self, engine: Engine) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self._calls = itertools.count()  # numbers each generate() call: request ids never repeat
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in order. If anything fails or is interrupted
         (Ctrl-C) on the way, this call's requests are aborted, so the engine is left clean."""
         prompts = _prompt_list(prompts)
-        params = sampling_params
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        sp = sampling_params
+        params_list = sp if isinstance(sp, list) else [sp or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         call = next(self._calls)

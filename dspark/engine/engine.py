@@ -212,7 +212,7 @@ class Engine:
                 continue
             self.pool.reserve(seq.seq_id, need)
             decode.append(seq)
-            budget -= self.spec.max_tokens_for(seq)
+            budget -= need - seq.num_cached
         prefill: list[tuple[Sequence, int]] = []
         # requests mid-prefill first, then new arrivals, while tokens and pages last
         candidates = [s for s in self.running if s.in_prefill] + list(self.waiting)

@@ -36,9 +36,10 @@ def follow(tok: int) -> int:
 
 
 def save_tiny_target(folder: str | Path, predictable: bool = True, seed: int = 0, layer_std: float = 0.25,
-                     alpha: float = 6.0, vocab: int = VOCAB) -> str:
+                     alpha: float = 6.0, vocab: int = VOCAB, head_dim: int = 16) -> str:
     """Write a tiny random Llama target (config.json, model.safetensors, SmolLM2 tokenizer) to folder.
-    A vocab below SmolLM2's still works with its tokenizer: the ids the model can emit are a prefix."""
+    A vocab below SmolLM2's still works with its tokenizer: the ids the model can emit are a prefix.
+    head_dim: 16 keeps CPU tests fast; the GPU tests use 64, a size FlashInfer's kernels take."""
     import transformers
 
     from dspark.models.loader import resolve_model_folder
@@ -46,7 +47,7 @@ def save_tiny_target(folder: str | Path, predictable: bool = True, seed: int = 0
     folder = Path(folder)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128,
                                    num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=16, max_position_embeddings=1024, rope_theta=10000.0,
+                                   head_dim=head_dim, max_position_embeddings=1024, rope_theta=10000.0,
                                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                                    rms_norm_eps=1e-6)
     torch.manual_seed(seed)
@@ -76,11 +77,11 @@ def save_tiny_target(folder: str | Path, predictable: bool = True, seed: int = 0
 
 
 def drafter_config(kind: str, block_size: int, markov_rank: int = 0, num_layers: int = 1, vocab: int = VOCAB,
-                   draft_vocab_size: int | None = None):
+                   draft_vocab_size: int | None = None, head_dim: int = 16):
     from dspark.models.drafters.dspark import DrafterConfig
 
     return DrafterConfig(kind=kind, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, vocab_size=vocab,
                          block_size=block_size, mask_token_id=MASK_ID, target_layer_ids=list(LAYER_IDS),
                          num_target_layers=LAYERS, markov_rank=markov_rank if kind == "dspark" else 0,
                          confidence_head=kind == "dspark", rope_theta=10000.0, draft_vocab_size=draft_vocab_size)
@@ -88,7 +89,7 @@ def drafter_config(kind: str, block_size: int, markov_rank: int = 0, num_layers:
 
 def save_tiny_drafter(folder: str | Path, kind: str = "dspark", block_size: int = 8, markov: bool = True,
                       seed: int = 1, beta: float = 60.0, vocab: int = VOCAB,
-                      draft_vocab: list[int] | None = None) -> str:
+                      draft_vocab: list[int] | None = None, head_dim: int = 16) -> str:
     """A random drafter for the tiny target; with markov=True (DSpark) its Markov head encodes f
     (on SmolLM2's vocabulary; on a smaller one it stays random). draft_vocab: a reduced draft
     vocabulary (sorted target ids) the drafter proposes from."""
@@ -98,7 +99,7 @@ def save_tiny_drafter(folder: str | Path, kind: str = "dspark", block_size: int 
     rank = len(ALPHABET) if kind == "dspark" else 0
     markov = markov and vocab > max(ALPHABET)
     torch.manual_seed(seed)
-    d = BlockDrafter(drafter_config(kind, block_size, rank, vocab=vocab,
+    d = BlockDrafter(drafter_config(kind, block_size, rank, vocab=vocab, head_dim=head_dim,
                                     draft_vocab_size=len(draft_vocab) if draft_vocab else None), HIDDEN)
     with torch.no_grad():
         if draft_vocab:

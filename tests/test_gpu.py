@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import alphabet_prompts, run_requests, tree_mask
+from spec_helpers import alphabet_prompts, run_requests, save_tiny_drafter, save_tiny_target, tree_mask
 
 from dspark.config import EngineConfig, SamplingParams, SpecConfig
 from dspark.engine.attention import AttnBatch, TorchAttention
@@ -22,6 +22,15 @@ CASES = {  # (cached tokens, new tokens) per request
     "custom": [(40, 12), (3, 5), (129, 16)],
     "mixed": [(0, 33), (70, 1), (12, 9)],
 }
+
+
+@pytest.fixture(scope="module")
+def gpu_folders(tmp_path_factory):
+    """The tiny predictable target and its DSpark drafter with 64-dim heads (SmolLM2's size, so
+    FlashInfer compiles one kernel module for these tests and the real model)."""
+    root = tmp_path_factory.mktemp("gpu_assets")
+    return {"target": save_tiny_target(root / "target", head_dim=64),
+            "dspark": save_tiny_drafter(root / "dspark", "dspark", 8, head_dim=64)}
 
 
 def _flashinfer():
@@ -75,33 +84,34 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_greedy_spec_equals_plain_fp32_on_cuda(folders, tree):
+def test_greedy_spec_equals_plain_fp32_on_cuda(gpu_folders, tree):
     """The engine's speculative logic on a GPU, where rounding cannot hide a bug: fp32, torch backend."""
     from dspark.engine.engine import Engine
 
     def engine(drafter):
-        return Engine(EngineConfig(model=folders["target"], device="cuda", dtype="float32", attention_backend="torch",
+        return Engine(EngineConfig(model=gpu_folders["target"], device="cuda", dtype="float32",
+                                   attention_backend="torch",
                                    max_num_seqs=8, spec=SpecConfig(drafter=drafter, tree=tree)))
 
     prompts = alphabet_prompts([15, 16, 17, 31, 33, 40], seed=3)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = run_requests(engine("none"), [(p, sp, None) for p in prompts])
-    spec_engine = engine(folders["dspark"])
+    spec_engine = engine(gpu_folders["dspark"])
     spec = run_requests(spec_engine, [(p, sp, None) for p in prompts])
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.stats.accepted for o in spec) > 0
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_greedy_spec_matches_plain_with_flashinfer(folders, tree):
+def test_greedy_spec_matches_plain_with_flashinfer(gpu_folders, tree):
     """bf16 with FlashInfer: plain decode runs the decode kernel and verification the prefill kernel,
     which sum in other orders, so a near-tie may resolve differently (CPU avoids that with float64
     reductions; GPUs do as vLLM does). Most outputs must be identical and none may diverge early."""
     pytest.importorskip("flashinfer")
     prompts = alphabet_prompts([15, 16, 17, 31, 33, 40], seed=3)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = run_requests(_engine(folders["target"], "none", "flashinfer"), [(p, sp, None) for p in prompts])
-    spec = run_requests(_engine(folders["target"], folders["dspark"], "flashinfer", tree=tree),
+    plain = run_requests(_engine(gpu_folders["target"], "none", "flashinfer"), [(p, sp, None) for p in prompts])
+    spec = run_requests(_engine(gpu_folders["target"], gpu_folders["dspark"], "flashinfer", tree=tree),
                         [(p, sp, None) for p in prompts])
     firsts = [_first_divergence(a.token_ids, b.token_ids) for a, b in zip(spec, plain)]
     assert sum(f == 40 for f in firsts) >= 4 and min(firsts) >= 10, firsts
@@ -126,14 +136,14 @@ def test_smollm2_logits_flashinfer_vs_torch():
 
 
 @pytest.mark.parametrize("drafter", ["none", "dspark"])
-def test_graph_replay_equals_eager(folders, drafter):
+def test_graph_replay_equals_eager(gpu_folders, drafter):
     """Captured decode, verification and drafter graphs give the eager engine's greedy output."""
     pytest.importorskip("flashinfer")
-    d = folders.get(drafter, drafter)
+    d = gpu_folders.get(drafter, drafter)
     prompts = alphabet_prompts([15, 17, 24, 33, 40], seed=7)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    eager = run_requests(_engine(folders["target"], d, "flashinfer"), [(p, sp, None) for p in prompts])
-    eng = _engine(folders["target"], d, "flashinfer", enforce_eager=False)
+    eager = run_requests(_engine(gpu_folders["target"], d, "flashinfer"), [(p, sp, None) for p in prompts])
+    eng = _engine(gpu_folders["target"], d, "flashinfer", enforce_eager=False)
     graphed = run_requests(eng, [(p, sp, None) for p in prompts])
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
     assert all(p.capture for p in eng.runner.graphs.values())

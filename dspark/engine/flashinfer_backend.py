@@ -8,6 +8,11 @@ anything else (prefill chunks, chains, the drafter's block, trees) runs the page
 prefill kernel: causal for chains and prompts (bottom-right aligned, so new token i sees
 the cached ones and new tokens <= i), no mask for the drafter block, a custom mask for
 trees. The cache is [slots, Hkv, D] per layer, which is NHD pages viewed flat.
+
+Every wrapper is pinned to FlashInfer's "fa2" kernels: they take custom masks (the Hopper
+"fa3" ones do not), the tensor-core decode kernel is the same JIT module as the prefill one
+(one compile per head size and dtype, not three), and decode-sized batches are bound by
+memory, not by the tensor-core generation.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class FlashInferAttention:
 
     name = "flashinfer"
     WORKSPACE_BYTES = 128 << 20
+    KERNELS = "fa2"
 
     def __init__(self, device: str | torch.device, static: StaticBatch | None = None,
                  workspace: torch.Tensor | None = None):
@@ -89,14 +95,13 @@ class FlashInferAttention:
         self.workspace = ws = workspace if workspace is not None else \
             torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)  # FlashInfer wants it zeroed
         self.static = static
-        self._decode = self._prefill = self._masked = None
+        self._decode = self._prefill = None
+        fa = self.KERNELS
         if static is None:
             # tensor cores: the decode kernel then takes any GQA group size (SmolLM2's is 3)
-            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-            # "auto" settles on one kernel family at its first plan (fa3 on Hopper for causal
-            # prefill), and fa3 takes no custom mask, so trees get a wrapper pinned to fa2
-            self._masked = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True,
+                                                                        backend=fa)
+            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=fa)
         else:
             i32 = dict(dtype=torch.int32, device=dev)
             R = static.requests
@@ -106,11 +111,11 @@ class FlashInferAttention:
             if static.tokens == 1:
                 self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=kv_ptr,
-                    paged_kv_indices_buffer=idx, paged_kv_last_page_len_buffer=last)
+                    paged_kv_indices_buffer=idx, paged_kv_last_page_len_buffer=last, backend=fa)
             else:
                 self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                     ws, "NHD", use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=kv_ptr,
-                    paged_kv_indices_buf=idx, paged_kv_last_page_len_buf=last)
+                    paged_kv_indices_buf=idx, paged_kv_last_page_len_buf=last, backend=fa)
         self.layout: PagedLayout | None = None
         self._planned_for: tuple | None = None
         self._heads: tuple | None = None
@@ -140,7 +145,7 @@ class FlashInferAttention:
             self._wrapper = self._decode
         else:
             mask = lay.custom_mask.to(self.device) if lay.custom_mask is not None else None
-            self._wrapper = self._masked if mask is not None else self._prefill  # plan() refused masks if static
+            self._wrapper = self._prefill  # plan() refused masks if static
             self._wrapper.plan(lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.last_page_len, H, Hkv, D, ps,
                                custom_mask=mask, causal=lay.causal and mask is None, sm_scale=scale,
                                q_data_type=q_dtype, kv_data_type=kv_dtype)

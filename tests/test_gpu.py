@@ -52,7 +52,7 @@ def test_flashinfer_matches_torch_backend(case, heads):
         need = -(-(ctx + n) // page) + 1
         tables.append(list(range(used + need - 1, used - 1, -1)))
         used += need
-    mask = {"prefill": "causal", "decode": "causal", "mixed": "causal"}.get(case, case)
+    mask = {"prefill": "causal", "decode": "causal", "chain": "causal", "mixed": "causal"}.get(case, case)
     cg = torch.Generator().manual_seed(1)
     customs = [tree_mask(n, cg) for _, n in seqs] if case == "custom" else []
     batch = AttnBatch(q_lens=[n for _, n in seqs], kv_lens=[c + n for c, n in seqs], page_tables=tables,

@@ -7,6 +7,10 @@ batch holds `context` cached tokens; a decode pass adds one token per request, a
 pass adds `verify_tokens + 1` (the anchor and its drafts, as the engine verifies a chain) and
 computes logits for every row. The roofline is the time to read every weight once plus each
 request's K/V, at the bandwidth a large device-to-device copy reaches on this device.
+
+On CUDA with the flashinfer backend each pass is also timed as the engine runs it, from a CUDA
+graph (plan on the host, then one replay): eager PyTorch launches ~20 kernels a layer, and at
+small batches their launch cost, not the GPU, sets the time.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.attention import AttnBatch, make_backend
+from dspark.engine.flashinfer_backend import StaticBatch
 from dspark.engine.kv_cache import KVCache
 from dspark.models.llama import LlamaConfig, LlamaModel
 
@@ -44,6 +49,7 @@ class RooflineRow:
     """One timed pass: batch size, tokens per request, median seconds and the roofline."""
 
     kind: str  # "decode" | "verify"
+    mode: str  # "eager" | "graph"
     batch_size: int
     tokens_per_request: int
     seconds: float
@@ -55,7 +61,8 @@ class RooflineRow:
         return self.batch_size / self.seconds  # one committed token per request per plain step
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "batch_size": self.batch_size, "tokens_per_request": self.tokens_per_request,
+        return {"kind": self.kind, "mode": self.mode, "batch_size": self.batch_size,
+                "tokens_per_request": self.tokens_per_request,
                 "ms": round(1e3 * self.seconds, 3), "roofline_ms": round(1e3 * self.roofline_seconds, 3),
                 "fraction_of_roofline": round(self.roofline_seconds / self.seconds, 3),
                 "decode_tok_s": round(self.tokens_per_s, 1) if self.kind == "decode" else None,
@@ -111,9 +118,7 @@ def weight_bytes(model: LlamaModel) -> int:
     return total
 
 
-def time_pass(model: LlamaModel, attn, kv: KVCache, batch_size: int, q_len: int, context: int,
-              reps: int) -> float:
-    """Median seconds of one forward + logits for every row: batch_size requests of q_len new tokens."""
+def _pass_inputs(model: LlamaModel, kv: KVCache, batch_size: int, q_len: int, context: int):
     dev = kv.k.device
     ps = kv.page_size
     per_req = -(-(context + q_len) // ps)
@@ -122,23 +127,63 @@ def time_pass(model: LlamaModel, attn, kv: KVCache, batch_size: int, q_len: int,
                       page_size=ps)
     ids = torch.randint(0, model.config.vocab_size, (batch_size * q_len,), device=dev)
     pos = (context + torch.arange(q_len, device=dev)).repeat(batch_size)
+    return batch, ids, pos, per_req
+
+
+def _median_seconds(step, device: torch.device, reps: int, warmup: int = 3) -> float:
     times = []
-    with torch.inference_mode():
-        for i in range(reps + 3):
-            _sync(dev)
-            t = time.perf_counter()
-            attn.plan(batch)
-            hidden, _ = model(ids, pos, attn, kv)
-            model.logits(hidden)
-            _sync(dev)
-            if i >= 3:
-                times.append(time.perf_counter() - t)
+    for i in range(reps + warmup):
+        _sync(device)
+        t = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def time_pass(model: LlamaModel, attn, kv: KVCache, batch_size: int, q_len: int, context: int,
+              reps: int) -> float:
+    """Median seconds of one eager forward + logits for every row: batch_size requests of q_len new tokens."""
+    batch, ids, pos, _ = _pass_inputs(model, kv, batch_size, q_len, context)
+
+    def step():
+        attn.plan(batch)
+        hidden, _ = model(ids, pos, attn, kv)
+        model.logits(hidden)
+
+    with torch.inference_mode():
+        return _median_seconds(step, kv.k.device, reps)
+
+
+def time_graph_pass(model: LlamaModel, backend: str, kv: KVCache, batch_size: int, q_len: int, context: int,
+                    reps: int) -> float:
+    """The same pass captured in a CUDA graph: median seconds of plan + replay."""
+    batch, ids, pos, per_req = _pass_inputs(model, kv, batch_size, q_len, context)
+    dev = kv.k.device
+    attn = make_backend(backend, dev, StaticBatch(batch_size, q_len, per_req))
+    with torch.inference_mode():
+        attn.plan(batch)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy planning, kernel selection, allocator
+                model.logits(model(ids, pos, attn, kv)[0])
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model.logits(model(ids, pos, attn, kv)[0])
+
+        def step():
+            attn.plan(batch)
+            graph.replay()
+
+        return _median_seconds(step, dev, reps)
 
 
 def run_roofline(shape: str, device: str, dtype: torch.dtype, batch_sizes: list[int], verify_tokens: int,
                  context: int, reps: int = 10, attention_backend: str = "auto",
-                 bandwidth_bytes: int | None = None) -> dict:
+                 bandwidth_bytes: int | None = None, graphs: bool = True) -> dict:
     """Decode and verification passes at each batch size; a JSON-ready report."""
     dev = torch.device(device)
     model = random_model(shape, dev, dtype)
@@ -150,20 +195,26 @@ def run_roofline(shape: str, device: str, dtype: torch.dtype, batch_sizes: list[
     pages = max(batch_sizes) * -(-max_tokens // page)
     kv = KVCache(c.num_hidden_layers, pages, page, c.num_key_value_heads, c.head_dim, dtype, dev)
     attn = make_backend(attention_backend, dev)
+    modes = ["eager", "graph"] if graphs and attn.name == "flashinfer" else ["eager"]
     per_token_kv = KVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
     rows = []
-    for B in batch_sizes:
-        for kind, q in (("decode", 1), ("verify", verify_tokens + 1)):
-            moved = wbytes + B * (context + q) * per_token_kv
-            sec = time_pass(model, attn, kv, B, q, context, reps)
-            rows.append(RooflineRow(kind, B, q, sec, moved / bandwidth, moved))
-    by = {(r.kind, r.batch_size): r for r in rows}
+    for mode in modes:
+        for B in batch_sizes:
+            for kind, q in (("decode", 1), ("verify", verify_tokens + 1)):
+                moved = wbytes + B * (context + q) * per_token_kv
+                if mode == "eager":
+                    sec = time_pass(model, attn, kv, B, q, context, reps)
+                else:
+                    sec = time_graph_pass(model, attn.name, kv, B, q, context, reps)
+                rows.append(RooflineRow(kind, mode, B, q, sec, moved / bandwidth, moved))
+    best = modes[-1]  # what the engine runs: graphs where it has them
+    by = {(r.kind, r.batch_size): r for r in rows if r.mode == best}
     return {
         "shape": shape, "config": SHAPES[shape], "device": _device_name(dev),
         "dtype": str(dtype).removeprefix("torch."),
         "attention_backend": attn.name, "context": context, "verify_tokens": verify_tokens,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "weight_gbytes": round(wbytes / 1e9, 3),
-        "rows": [r.as_dict() for r in rows],
+        "rows": [r.as_dict() for r in rows], "verify_over_decode_mode": best,
         "verify_over_decode": {B: round(by["verify", B].seconds / by["decode", B].seconds, 3) for B in batch_sizes},
     }
 
@@ -176,13 +227,14 @@ def format_table(report: dict) -> str:
     """The report as a fixed-width table (one line per pass)."""
     lines = [f"{report['shape']} on {report['device']} ({report['dtype']}, {report['attention_backend']} attention,"
              f" context {report['context']}, copy bandwidth {report['copy_bandwidth_gb_s']} GB/s)",
-             f"{'pass':>7} {'batch':>5} {'tok/req':>7} {'ms':>9} {'roofline ms':>11} {'fraction':>8} {'tok/s':>9}"]
+             f"{'pass':>7} {'mode':>6} {'batch':>5} {'tok/req':>7} {'ms':>9} {'roofline ms':>11} {'fraction':>8} "
+             f"{'tok/s':>9}"]
     for r in report["rows"]:
         tps = f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] is not None else "-"
-        lines.append(f"{r['kind']:>7} {r['batch_size']:>5} {r['tokens_per_request']:>7} {r['ms']:>9.3f} "
+        lines.append(f"{r['kind']:>7} {r['mode']:>6} {r['batch_size']:>5} {r['tokens_per_request']:>7} {r['ms']:>9.3f} "
                      f"{r['roofline_ms']:>11.3f} {r['fraction_of_roofline']:>8.3f} {tps:>9}")
     ratios = ", ".join(f"batch {b}: {v}" for b, v in report["verify_over_decode"].items())
-    lines.append(f"T_verify / T_decode: {ratios}")
+    lines.append(f"T_verify / T_decode ({report['verify_over_decode_mode']}): {ratios}")
     return "\n".join(lines)
 
 
@@ -211,6 +263,8 @@ def add_roofline_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     p.add_argument("--verify-tokens", type=int, default=8, help="draft tokens per request in a verify pass")
     p.add_argument("--context", type=int, default=1024, help="cached tokens per request (default %(default)s)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per pass (median reported)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="time eager passes only (default on CUDA with flashinfer: eager and CUDA-graph passes)")
     p.add_argument("--output", default=None, help="also write the JSON report to this file")
     p.set_defaults(func=cmd_roofline)
     return p
@@ -227,7 +281,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         raise ValueError(f"--device {args.device}: CUDA is not available here (pass --device cpu to time this CPU)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     report = run_roofline(args.shape, args.device, dtype, _int_list(args.batch_sizes), args.verify_tokens,
-                          args.context, args.reps, args.attention_backend)
+                          args.context, args.reps, args.attention_backend, graphs=not args.enforce_eager)
     print(format_table(report), file=sys.stderr)
     text = json.dumps(report, indent=2)
     print(text)

@@ -97,7 +97,7 @@ def test_bench_roofline_tiny_shape(tmp_path: pathlib.Path, capsys: pytest.Captur
     # tiny: 2 layers x 2 kv heads x 16 dims x (k, v) x 4 bytes = 512 bytes of K/V per token
     kv_extra = rows["decode", 3]["gbytes_per_step"] - rows["decode", 1]["gbytes_per_step"]
     assert kv_extra == pytest.approx(2 * 21 * 512 / 1e9, abs=2e-3)
-    assert all(0 < r["fraction_of_roofline"] for r in report["rows"])
+    assert all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in report["rows"])  # the fraction rounds to 0 under load
     assert set(report["verify_over_decode"]) == {"1", "3"}
 
 

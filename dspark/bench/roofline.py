@@ -8,9 +8,10 @@ pass adds `verify_tokens + 1` (the anchor and its drafts, as the engine verifies
 computes logits for every row. The roofline is the time to read every weight once plus each
 request's K/V, at the bandwidth a large device-to-device copy reaches on this device.
 
-On CUDA with the flashinfer backend each pass is also timed as the engine runs it, from a CUDA
-graph (plan on the host, then one replay): eager PyTorch launches ~20 kernels a layer, and at
-small batches their launch cost, not the GPU, sets the time.
+On CUDA with the flashinfer backend each pass is also timed from a CUDA graph (plan on the
+host, then one replay), the way the engine runs uniform batches, less its padding and input
+copies: eager PyTorch launches ~50 kernels a layer, and at small batches their launch cost,
+not the GPU, sets the time.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dspark.engine.attention import AttnBatch, make_backend
+from dspark.engine.cuda_graphs import capture_graph
 from dspark.engine.flashinfer_backend import StaticBatch
 from dspark.engine.kv_cache import KVCache
 from dspark.models.llama import LlamaConfig, LlamaModel
@@ -46,7 +49,8 @@ SHAPES = {  # HF config.json fields of each named shape
 
 @dataclass
 class RooflineRow:
-    """One timed pass: batch size, tokens per request, median seconds and the roofline."""
+    """One timed pass: eager or graph mode, batch size, tokens per request, median seconds and
+    the roofline."""
 
     kind: str  # "decode" | "verify"
     mode: str  # "eager" | "graph"
@@ -118,7 +122,8 @@ def weight_bytes(model: LlamaModel) -> int:
     return total
 
 
-def _pass_inputs(model: LlamaModel, kv: KVCache, batch_size: int, q_len: int, context: int):
+def _pass_inputs(model: LlamaModel, kv: KVCache, batch_size: int, q_len: int,
+                 context: int) -> tuple[AttnBatch, torch.Tensor, torch.Tensor, int]:
     dev = kv.k.device
     ps = kv.page_size
     per_req = -(-(context + q_len) // ps)
@@ -130,7 +135,7 @@ def _pass_inputs(model: LlamaModel, kv: KVCache, batch_size: int, q_len: int, co
     return batch, ids, pos, per_req
 
 
-def _median_seconds(step, device: torch.device, reps: int, warmup: int = 3) -> float:
+def _median_seconds(step: Callable[[], object], device: torch.device, reps: int, warmup: int = 3) -> float:
     times = []
     for i in range(reps + warmup):
         _sync(device)
@@ -156,26 +161,19 @@ def time_pass(model: LlamaModel, attn, kv: KVCache, batch_size: int, q_len: int,
         return _median_seconds(step, kv.k.device, reps)
 
 
-def time_graph_pass(model: LlamaModel, backend: str, kv: KVCache, batch_size: int, q_len: int, context: int,
+def time_graph_pass(model: LlamaModel, attn, kv: KVCache, batch_size: int, q_len: int, context: int,
                     reps: int) -> float:
-    """The same pass captured in a CUDA graph: median seconds of plan + replay."""
+    """The same pass captured in a CUDA graph: median seconds of plan + replay. attn is the eager
+    flashinfer backend, whose scratch workspace the graph's static backend borrows."""
     batch, ids, pos, per_req = _pass_inputs(model, kv, batch_size, q_len, context)
     dev = kv.k.device
-    attn = make_backend(backend, dev, StaticBatch(batch_size, q_len, per_req))
+    static = make_backend(attn.name, dev, StaticBatch(batch_size, q_len, per_req), attn.workspace)
     with torch.inference_mode():
-        attn.plan(batch)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy planning, kernel selection, allocator
-                model.logits(model(ids, pos, attn, kv)[0])
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            model.logits(model(ids, pos, attn, kv)[0])
+        static.plan(batch)
+        graph, _ = capture_graph(lambda: model.logits(model(ids, pos, static, kv)[0]), dev)
 
         def step():
-            attn.plan(batch)
+            static.plan(batch)
             graph.replay()
 
         return _median_seconds(step, dev, reps)
@@ -205,7 +203,7 @@ def run_roofline(shape: str, device: str, dtype: torch.dtype, batch_sizes: list[
                 if mode == "eager":
                     sec = time_pass(model, attn, kv, B, q, context, reps)
                 else:
-                    sec = time_graph_pass(model, attn.name, kv, B, q, context, reps)
+                    sec = time_graph_pass(model, attn, kv, B, q, context, reps)
                 rows.append(RooflineRow(kind, mode, B, q, sec, moved / bandwidth, moved))
     best = modes[-1]  # what the engine runs: graphs where it has them
     by = {(r.kind, r.batch_size): r for r in rows if r.mode == best}

@@ -31,6 +31,22 @@ SCRATCH_TOKENS = 64  # cache slots kept outside the page pool for padding reques
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, object], tuple]  # (ids, positions, attn) -> tensors
 
 
+@torch.no_grad()  # no autograd records: they would pin every layer's activations in the graph pool
+def capture_graph(fn: Callable[[], tuple], device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, tuple]:
+    """Capture fn() in a CUDA graph after two warm-up calls on a side stream (kernel selection,
+    lazy attention planning, the allocator); returns the graph and the outputs it writes."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
+
+
 def default_ladder(max_requests: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to 64 and of 32 beyond, ending at max_requests."""
     sizes, n = [], 1
@@ -91,18 +107,8 @@ class GraphPool:
         self._entries[n] = e = _Captured(attn, ids, pos, outputs, graph)
         return e
 
-    @torch.no_grad()  # no autograd records: they would pin every layer's activations in the graph pool
     def _capture(self, attn, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, tuple]:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: kernel selection, lazy planning, allocator
-                self.fn(ids, pos, attn)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            outputs = self.fn(ids, pos, attn)
-        return graph, outputs
+        return capture_graph(lambda: self.fn(ids, pos, attn), self.device, self._mempool)
 
     def pad(self, batch: AttnBatch, ids: torch.Tensor):
         """(padded batch, padded ids, padded positions, real rows) or None if the batch does not fit.

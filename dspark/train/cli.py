@@ -169,6 +169,9 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"{len(data)} sequences filled", file=sys.stderr)
     if tr.load_checkpoint():
         print(f"resumed from {out / 'ckpt'} at step {tr.step}", file=sys.stderr)
+        if tr.resume_changes:
+            changed = ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in tr.resume_changes.items()))
+            print(f"warning: the checkpoint was trained with other settings: {changed}", file=sys.stderr)
     res = tr.fit()
     extra = {"completed": tr.step >= cfg.steps, "stopped_by": res["stopped_by"],
              "train_seqs_per_s": round(res["seqs_per_s"], 3) if res["seqs_per_s"] else None,

@@ -69,6 +69,12 @@ class TrainConfig:
     drafter: dict = field(default_factory=dict)
 
 
+# Settings a resumed run may change on purpose (more --steps after new data reshapes the cosine),
+# but that should never change unnoticed: load_checkpoint lists the ones that differ.
+RESUME_SETTINGS = ("steps", "lr", "min_lr_ratio", "warmup", "batch_size", "grad_accum", "anchors_per_seq",
+                   "weight_decay", "gamma", "dtype", "seed")
+
+
 class Trainer:
     """One training run in `out_dir`: resumes from `out_dir/ckpt` when present."""
 
@@ -94,6 +100,7 @@ class Trainer:
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
         self.step = 0
+        self.resume_changes: dict[str, tuple] = {}  # setting -> (checkpoint's, this run's), after a resume
         self.elapsed = 0.0
         self.history: list[dict] = []
         self.amp = DTYPES[cfg.dtype] == torch.bfloat16
@@ -247,6 +254,9 @@ class Trainer:
                                          "exp_avg": opt[f"{name}.exp_avg"],
                                          "exp_avg_sq": opt[f"{name}.exp_avg_sq"]}
         self.step, self.elapsed, self.history = state["step"], state["elapsed_s"], state["history"]
+        saved_cfg, mine_cfg = state.get("config", {}), asdict(self.cfg)
+        self.resume_changes = {k: (saved_cfg[k], mine_cfg[k]) for k in RESUME_SETTINGS
+                               if k in saved_cfg and saved_cfg[k] != mine_cfg[k]}
         return True
 
     # ------------------------------------------------------------------ the loop

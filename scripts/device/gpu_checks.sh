@@ -3,6 +3,10 @@
 #   STAGE=setup (carry .carry/a): install FlashInfer and its needs into /tmp/site, then compile
 #     FlashInfer's kernels in the background by running the kernel tests (they need no model),
 #     so the compile overlaps the second call's transfer; waits up to SETUP_WAIT_S for them.
+#   STAGE=train (carry .carry/b): assemble the GGUF, the drafter and the committed data, train
+#     the drafter on CUDA from the shipped one (TRAIN_MINUTES, TRAIN_STEPS, TRAIN_BATCH, TRAIN_LR),
+#     evaluate it on the dev prompts, and write the export under $OUT (the weights in two
+#     pieces: at most 16 MiB a file comes back; `cat model.safetensors.part.* > model.safetensors`).
 #   STAGE=run (carry .carry/b): assemble the GGUF and the drafter, then write under $OUT:
 #     pytest -m gpu (every GPU test), `dspark bench roofline` on a Qwen3-8B-shaped random model
 #     (batch 1, 8, 64), and `dspark bench` on SmolLM2 with the shipped drafter at batch 1 and 16.
@@ -41,7 +45,7 @@ if [ "$STAGE" = setup ]; then
   exit 0
 fi
 
-# STAGE=run
+# STAGE=run or STAGE=train
 if [ ! -f /tmp/carry/gguf.xz.0 ] || [ ! -d /tmp/site/flashinfer ]; then
   echo "no setup on this machine (it was given back between the calls?): run STAGE=setup with .carry/a first"
   exit 2
@@ -54,6 +58,30 @@ if [ ! -f "$G" ]; then
 fi
 [ "$(sha256sum "$G" | cut -d' ' -f1)" = "$(cat /tmp/carry/gguf.sha256)" ] || { echo "GGUF checksum mismatch"; rm -f "$G"; exit 2; }
 python3 -c "import tarfile, sys; tarfile.open(sys.argv[1], 'r:xz').extractall('.')" /tmp/carry/drafter.tar.xz
+
+if [ "$STAGE" = train ]; then
+  python3 -c "import tarfile, sys; tarfile.open(sys.argv[1], 'r:xz').extractall('.')" /tmp/carry/data.tar.xz
+  python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    /tmp/carry/train_prompts.jsonl.xz /tmp/carry/train_prompts.jsonl
+  R=runs/gpu && mkdir -p $R/data
+  cp drafters/data/smollm2-135m/prompts-from-4096/* $R/data/
+  for f in drafters/data/smollm2-135m/sampled-seed1/shard_*.safetensors; do  # as shards 80, 81, ...
+    i=$((10#$(basename "$f" .safetensors | cut -d_ -f2))); cp "$f" "$R/data/$(printf 'shard_%05d.safetensors' $((80 + i)))"
+  done
+  timeout $(( ${TRAIN_MINUTES:-6} * 60 + 120 )) python3 -m dspark.cli train-drafter \
+    --prompts /tmp/carry/train_prompts.jsonl --skip-prompts 4096 --num-prompts 20480 --out $R --shard-size 256 \
+    --max-new-tokens 192 --dtype bf16 --device "${TRAIN_DEVICE:-cuda}" --init-from drafters/smollm2-135m-dspark --compile-loss \
+    --anchors-per-seq 48 --batch-size "${TRAIN_BATCH:-32}" --lr "${TRAIN_LR:-2e-4}" --min-lr-ratio 0.3 --warmup 30 \
+    --steps "${TRAIN_STEPS:-4500}" --save-every 100000 --time-budget-minutes "${TRAIN_MINUTES:-6}" --no-progress \
+    > /tmp/logs/train.txt 2>&1
+  echo "train rc $?"; tail -5 /tmp/logs/train.txt; cp /tmp/logs/train.txt "$OUT/"
+  cp $R/final/config.json "$OUT/" && cp $R/train_stats.json "$OUT/"
+  split -b 15M -d $R/final/model.safetensors "$OUT/model.safetensors.part."
+  timeout "${EVAL_S:-240}" python3 -m dspark.cli eval-drafter --drafter $R/final --prompts /tmp/carry/dev_prompts.jsonl \
+    --per-category 40 --max-tokens 256 --device "${TRAIN_DEVICE:-cuda}" --out "$OUT/eval_dev200.json" > /dev/null 2> /tmp/logs/eval.txt
+  echo "eval rc $?"; tail -3 /tmp/logs/eval.txt
+  exit 0
+fi
 wait_kernels "${KERNEL_WAIT_S:-240}"
 # timings taken while the kernel compile still runs would be skewed (host-bound passes)
 if [ "${ROOFLINE:-1}" = 1 ] && [ ! -f /tmp/logs/kernels.rc ]; then echo "kernels still compiling: no roofline"

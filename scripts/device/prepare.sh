@@ -4,13 +4,14 @@
 # which the kernels we JIT need ~12 MB once slimmed and xz'd), its small needs, the default
 # model's GGUF (98 MB, 90 MB xz'd) and the shipped drafter (21 MB). So this script packs two
 # loads, .carry/a and .carry/b (both ignored), one per call:
-#   a: slimmed FlashInfer + wheels + the first part of the GGUF       -> STAGE=setup
-#   b: the rest of the GGUF + the drafter + dev prompts + checksums   -> STAGE=run
+#   a: slimmed FlashInfer + wheels + the first part of the GGUF + the committed training data
+#      (drafters/data, 22 MB of token ids, 3 MB xz'd)                         -> STAGE=setup
+#   b: the rest of the GGUF + the drafter + dev and train prompts + checksum  -> STAGE=run or train
 # The tracked drafters/ folder (42 MB) must not travel with the tree: move it aside for both
 # calls (scripts/device/gpu_checks.sh puts the drafter back in place on the device).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-PART0_MB=${PART0_MB:-46}
+PART0_MB=${PART0_MB:-43}
 rm -rf .carry/a .carry/b .whl /tmp/dspark-carry && mkdir -p .carry/a .carry/b .whl /tmp/dspark-carry
 pip_dl() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -41,6 +42,9 @@ xz -T2 -9e -c "$GGUF" > /tmp/dspark-carry/gguf.xz
 head -c "${PART0_MB}M" /tmp/dspark-carry/gguf.xz > .carry/a/gguf.xz.0
 tail -c +$((PART0_MB * 1048576 + 1)) /tmp/dspark-carry/gguf.xz > .carry/b/gguf.xz.1
 tar -cf - drafters/smollm2-135m-dspark | xz -T2 -6 > .carry/b/drafter.tar.xz
+tar -cf - drafters/data | xz -T2 -6 > .carry/a/data.tar.xz
 cp ../shared/data/dev_prompts.jsonl .carry/b/
+xz -T2 -6 -c ../shared/data/train_prompts.jsonl > .carry/b/train_prompts.jsonl.xz
 du -sh .carry/a .carry/b
-echo "then: mv drafters /tmp/drafters-aside (commit nothing until it is back); run STAGE=setup (carry .carry/a), STAGE=run (carry .carry/b); mv back"
+echo "then: mv drafters /tmp/drafters-aside (commit nothing until it is back); run STAGE=setup (carry .carry/a),"
+echo "STAGE=run or STAGE=train (carry .carry/b); mv back"

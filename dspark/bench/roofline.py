@@ -197,13 +197,11 @@ def run_roofline(shape: str, device: str, dtype: torch.dtype, batch_sizes: list[
     per_token_kv = KVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
     rows = []
     for mode in modes:
+        timer = time_graph_pass if mode == "graph" else time_pass
         for B in batch_sizes:
             for kind, q in (("decode", 1), ("verify", verify_tokens + 1)):
                 moved = wbytes + B * (context + q) * per_token_kv
-                if mode == "eager":
-                    sec = time_pass(model, attn, kv, B, q, context, reps)
-                else:
-                    sec = time_graph_pass(model, attn, kv, B, q, context, reps)
+                sec = timer(model, attn, kv, B, q, context, reps)
                 rows.append(RooflineRow(kind, mode, B, q, sec, moved / bandwidth, moved))
     best = modes[-1]  # what the engine runs: graphs where it has them
     by = {(r.kind, r.batch_size): r for r in rows if r.mode == best}

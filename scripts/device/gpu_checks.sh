@@ -7,6 +7,9 @@
 #     the drafter on CUDA from the shipped one (TRAIN_MINUTES, TRAIN_STEPS, TRAIN_BATCH, TRAIN_LR),
 #     evaluate it on the dev prompts, and write the export under $OUT (the weights in two
 #     pieces: at most 16 MiB a file comes back; `cat model.safetensors.part.* > model.safetensors`).
+#   STAGE=gen (carry .carry/b): assemble the GGUF, then let the target write one more sampled
+#     response to each train prompt for GEN_MINUTES (shards kept in /tmp/gen for STAGE=train,
+#     which trains on them too, and returned as gen_data.tar.xz to commit under drafters/data).
 #   STAGE=run (carry .carry/b): assemble the GGUF and the drafter, then write under $OUT:
 #     pytest -m gpu (every GPU test), `dspark bench roofline` on a Qwen3-8B-shaped random model
 #     (batch 1, 8, 64), and `dspark bench` on SmolLM2 with the shipped drafter at batch 1 and 16.
@@ -47,7 +50,7 @@ if [ "$STAGE" = setup ]; then
   exit 0
 fi
 
-# STAGE=run or STAGE=train
+# STAGE=gen, run or train
 if [ ! -f /tmp/carry/gguf.xz.0 ] || [ ! -d /tmp/site/flashinfer ]; then
   echo "no setup on this machine (it was given back between the calls?): run STAGE=setup with .carry/a first"
   exit 2
@@ -61,14 +64,33 @@ fi
 [ "$(sha256sum "$G" | cut -d' ' -f1)" = "$(cat /tmp/carry/gguf.sha256)" ] || { echo "GGUF checksum mismatch"; rm -f "$G"; exit 2; }
 untar_xz /tmp/carry/drafter.tar.xz .
 
+[ "$STAGE" = run ] || unxz /tmp/carry/train_prompts.jsonl.xz /tmp/carry/train_prompts.jsonl
+
+if [ "$STAGE" = gen ]; then
+  # more self-distilled data: one more sampled response (T=0.7, seed GEN_SEED) to each train prompt,
+  # for GEN_MINUTES; finished shards stay in /tmp/gen/data for STAGE=train and come back xz'd
+  timeout $(( ${GEN_MINUTES:-3} * 60 + 120 )) python3 -m dspark.cli train-drafter \
+    --prompts /tmp/carry/train_prompts.jsonl --out /tmp/gen --shard-size 256 --max-new-tokens 192 --dtype bf16 \
+    --device cuda --sample-share 1.0 --seed "${GEN_SEED:-3}" --gen-batch-size "${GEN_BATCH:-256}" --data-only \
+    --time-budget-minutes "${GEN_MINUTES:-3}" --no-progress > /tmp/logs/gen.txt 2>&1
+  echo "gen rc $?"; tail -3 /tmp/logs/gen.txt; cp /tmp/logs/gen.txt "$OUT/"
+  python3 -c "import tarfile, sys; t = tarfile.open(sys.argv[1], 'w:xz'); t.add('/tmp/gen/data', 'sampled-seed' + sys.argv[2]); t.close()" \
+    "$OUT/gen_data.tar.xz" "${GEN_SEED:-3}"
+  ls /tmp/gen/data | wc -l; ls -la "$OUT/gen_data.tar.xz"
+  exit 0
+fi
+
 if [ "$STAGE" = train ]; then
   untar_xz /tmp/carry/data.tar.xz .
-  unxz /tmp/carry/train_prompts.jsonl.xz /tmp/carry/train_prompts.jsonl
   R=runs/gpu && mkdir -p $R/data
   cp drafters/data/smollm2-135m/prompts-from-4096/* $R/data/
-  for f in drafters/data/smollm2-135m/sampled-seed1/shard_*.safetensors; do  # as shards 80, 81, ...
-    i=$((10#$(basename "$f" .safetensors | cut -d_ -f2))); cp "$f" "$R/data/$(printf 'shard_%05d.safetensors' $((80 + i)))"
+  # every other shard (committed sampled responses, then what STAGE=gen wrote) numbered 80, 81, ...
+  n=80
+  for f in drafters/data/smollm2-135m/sampled-seed*/shard_*.safetensors /tmp/gen/data/shard_*.safetensors; do
+    [ -f "$f" ] || continue
+    cp "$f" "$R/data/$(printf 'shard_%05d.safetensors' $n)"; n=$((n + 1))
   done
+  echo "training on $n shards"
   timeout $(( ${TRAIN_MINUTES:-6} * 60 + 120 )) python3 -m dspark.cli train-drafter \
     --prompts /tmp/carry/train_prompts.jsonl --skip-prompts 4096 --num-prompts 20480 --out $R --shard-size 256 \
     --max-new-tokens 192 --dtype bf16 --device "${TRAIN_DEVICE:-cuda}" --init-from drafters/smollm2-135m-dspark --compile-loss \

@@ -4,7 +4,8 @@
 #     FlashInfer's kernels in the background by running the kernel tests (they need no model),
 #     so the compile overlaps the second call's transfer; waits up to SETUP_WAIT_S for them.
 #   STAGE=train (carry .carry/b): assemble the GGUF, the drafter and the committed data, train
-#     the drafter on CUDA from the shipped one (TRAIN_MINUTES, TRAIN_STEPS, TRAIN_BATCH, TRAIN_LR),
+#     the drafter on CUDA from the shipped one (TRAIN_MINUTES, TRAIN_STEPS, TRAIN_BATCH, TRAIN_LR;
+#     TRAIN_INIT replaces `--init-from <shipped>`, e.g. "--num-layers 4 --draft-vocab 12288" from scratch),
 #     evaluate it on the dev prompts, and write the export under $OUT (the weights in two
 #     pieces: at most 16 MiB a file comes back; `cat model.safetensors.part.* > model.safetensors`).
 #   STAGE=gen (carry .carry/b): assemble the GGUF, then let the target write one more sampled
@@ -93,7 +94,7 @@ if [ "$STAGE" = train ]; then
   echo "training on $n shards"
   timeout $(( ${TRAIN_MINUTES:-6} * 60 + 120 )) python3 -m dspark.cli train-drafter \
     --prompts /tmp/carry/train_prompts.jsonl --skip-prompts 4096 --num-prompts 20480 --out $R --shard-size 256 \
-    --max-new-tokens 192 --dtype bf16 --device "${TRAIN_DEVICE:-cuda}" --init-from drafters/smollm2-135m-dspark --compile-loss \
+    --max-new-tokens 192 --dtype bf16 --device "${TRAIN_DEVICE:-cuda}" ${TRAIN_INIT:---init-from drafters/smollm2-135m-dspark} --compile-loss \
     --anchors-per-seq 48 --batch-size "${TRAIN_BATCH:-32}" --lr "${TRAIN_LR:-2e-4}" --min-lr-ratio 0.3 --warmup 30 \
     --steps "${TRAIN_STEPS:-4500}" --save-every 100000 --time-budget-minutes "${TRAIN_MINUTES:-6}" --no-progress \
     > /tmp/logs/train.txt 2>&1

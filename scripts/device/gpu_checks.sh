@@ -63,7 +63,7 @@ if [ ! -f "$G" ]; then
   cat /tmp/carry/gguf.xz.0 /tmp/carry/gguf.xz.1 > /tmp/carry/gguf.xz && unxz /tmp/carry/gguf.xz "$G"
 fi
 [ "$(sha256sum "$G" | cut -d' ' -f1)" = "$(cat /tmp/carry/gguf.sha256)" ] || { echo "GGUF checksum mismatch"; rm -f "$G"; exit 2; }
-untar_xz /tmp/carry/drafter.tar.xz .
+[ "$STAGE" = gen ] || untar_xz /tmp/carry/drafter.tar.xz .  # writing data needs only the target
 
 [ "$STAGE" = run ] || unxz /tmp/carry/train_prompts.jsonl.xz /tmp/carry/train_prompts.jsonl
 

@@ -8,8 +8,10 @@ after start-up and every model endpoint answers 503 until it is ready.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -29,6 +31,29 @@ from dspark.server.protocol import APIError, error_body
 from dspark.server.serving import add_generation_routes
 
 logger = logging.getLogger("dspark.server")
+
+
+async def _in_daemon_thread(fn, *args):  # noqa: ANN202 - fn's result
+    """fn(*args) in a daemon thread. asyncio.to_thread's executor threads are joined when the
+    loop closes, so a SIGTERM during a long model load would wait for the load to finish; a
+    daemon thread is simply dropped (what it writes to disk is written atomically)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value) -> None:  # noqa: ANN001
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def run() -> None:
+        try:
+            out, ok = fn(*args), True
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            out, ok = e, False
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, ok, out)
+
+    threading.Thread(target=run, name="dspark-load", daemon=True).start()
+    return await fut
 
 
 class ServerState:
@@ -72,7 +97,7 @@ class ServerState:
 
     async def load(self, config: EngineConfig) -> None:
         try:
-            engine = await asyncio.to_thread(Engine, config)
+            engine = await _in_daemon_thread(Engine, config)
         except Exception as e:
             self.load_error = f"{type(e).__name__}: {e}"
             logger.exception("loading the engine failed")

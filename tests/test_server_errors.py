@@ -127,8 +127,11 @@ def test_version_cors_default_model_and_content_parts(server):
     assert prompt_tokens(parts) == prompt_tokens("Say A\nthen B") != prompt_tokens("Say Athen B")
 
 
-def test_api_key(engine):
-    with serve(engine, api_key="sekret") as s:
+def test_api_key(server):
+    # the module's server with a key set (a second server would drive the same engine too)
+    s = server
+    s.state.api_key = "sekret"
+    try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
             r = httpx.post(s.url + C, json={"prompt": PROMPT, "max_tokens": 2}, headers=headers)
             assert r.status_code == 401 and error_of(r)["type"] == "authentication_error"
@@ -139,6 +142,8 @@ def test_api_key(engine):
             s.openai("wrong").completions.create(model=s.state.names[0], prompt=PROMPT, max_tokens=2)
         out = s.openai("sekret").completions.create(model=s.state.names[0], prompt=PROMPT, max_tokens=2)
         assert out.usage.completion_tokens == 2
+    finally:
+        s.state.api_key = None
 
 
 def test_queue_full_gets_429(server):

@@ -229,3 +229,19 @@ def test_engine_pauses_drafter_when_it_cannot_pay(folders, single_thread, monkey
     steps = engine.spec_stats.steps
     assert engine.spec.num_draft_passes < steps / 3, (engine.spec.num_draft_passes, steps)
     assert engine.spec.gain < 1
+
+
+@pytest.mark.parametrize("stored", ['{"tokens": [1, 2', '{"tokens": [1]}', ""])
+def test_unreadable_cost_profile_is_measured_again(stored, tmp_path, monkeypatch):
+    import json
+
+    from dspark.engine import profile
+
+    monkeypatch.setattr(profile, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(profile, "_key", lambda engine: "k")
+    monkeypatch.setattr(profile, "measure", lambda engine: CostModel([1, 2], [0.01, 0.02]))
+    (tmp_path / "cost-k.json").write_text(stored)
+    cost = profile.load_or_measure(None)
+    assert (cost.tokens, cost.seconds) == ([1, 2], [0.01, 0.02])
+    assert json.loads((tmp_path / "cost-k.json").read_text()) == {"tokens": [1, 2], "seconds": [0.01, 0.02]}
+    assert [p.name for p in tmp_path.iterdir()] == ["cost-k.json"]  # no temporary file left

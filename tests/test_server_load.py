@@ -3,10 +3,18 @@ and a shutdown that does not wait for a load still running."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+import httpx
 import pytest
+from server_helpers import wait_for
 
 import dspark.server.app as app_module
 from dspark.config import EngineConfig
@@ -54,3 +62,39 @@ def test_load_failure_is_reported(monkeypatch):
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert r.status_code == 503
         assert "ValueError: no such model" in r.json()["error"]["message"]
+
+
+def test_sigterm_during_load_exits_at_once(tmp_path):
+    """`dspark serve` stopped before its engine is ready exits 0 at once (no abort, no wait)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--port", str(port)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+        try:
+            seen = []
+
+            def answered() -> bool:
+                assert proc.poll() is None, log_path.read_text()
+                try:
+                    seen.append(httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"])
+                except httpx.TransportError:
+                    return False
+                return True
+
+            assert wait_for(answered, 180, 0.02)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text()
+    assert code == 0, text
+    if seen[0] != "loading":
+        pytest.skip("the engine loaded before the server could be stopped")
+    assert "stopped while the engine was loading" in text, text

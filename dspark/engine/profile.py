@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 
 import torch
@@ -58,10 +59,15 @@ def measure(engine, ladder: list[int] = LADDER, repeats: int = 3) -> CostModel:
 def load_or_measure(engine) -> CostModel:
     """The cached profile for this model and machine, measuring it the first time."""
     path = cache_dir() / f"cost-{_key(engine)}.json"
-    if path.exists():
+    try:
         d = json.loads(path.read_text())
         return CostModel(d["tokens"], d["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: measure again
     cost = measure(engine)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"tokens": cost.tokens, "seconds": cost.seconds}))
+    # written whole or not at all: a server stopped while it loads exits mid-load
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"tokens": cost.tokens, "seconds": cost.seconds}))
+    os.replace(tmp, path)
     return cost

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+import threading
 from collections.abc import Callable
 
 
@@ -13,7 +15,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dspark.cli import engine_config
-    from dspark.server.app import create_app
+    from dspark.server.app import LOAD_THREAD, create_app
     from dspark.server.runner import GracefulServer
 
     config = engine_config(args, default_policy="load-aware")
@@ -28,6 +30,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                timeout_graceful_shutdown=args.shutdown_timeout)
     GracefulServer(uv_config, app.state.dspark).run()
+    if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        # Stopped while the engine still loads: interpreter shutdown would tear torch down under
+        # the loading thread (the process aborts), so leave now; the load writes its caches atomically.
+        logging.getLogger("dspark.server").info("stopped while the engine was loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 1 if app.state.dspark.load_error else 0
 
 

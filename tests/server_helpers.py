@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -115,6 +116,13 @@ def metric(samples: dict, name: str, **labels: str) -> float:
     """Sum of the samples called name whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for(cond, timeout: float = 20.0, interval: float = 0.05) -> bool:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import error_of, metric, scrape, serve, shared_engine_or_skip, stream_raw, wait_for
+from server_helpers import error_of, free_port, metric, scrape, serve, shared_engine_or_skip, stream_raw, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -216,14 +215,8 @@ def test_engine_error_mid_stream(server, engine, monkeypatch):
     _ok(server)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_finishes_running_requests(tmp_path):
-    port, root = _free_port(), Path(__file__).resolve().parents[1]
+    port, root = free_port(), Path(__file__).resolve().parents[1]
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     env.pop("DSPARK_API_KEY", None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import wait_for
+from server_helpers import free_port, wait_for
 
 import dspark.server.app as app_module
 from dspark.config import EngineConfig
@@ -66,9 +65,7 @@ def test_load_failure_is_reported(monkeypatch):
 
 def test_sigterm_during_load_exits_at_once(tmp_path):
     """`dspark serve` stopped before its engine is ready exits 0 at once (no abort, no wait)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     log_path = tmp_path / "serve.log"

@@ -31,7 +31,6 @@ from dspark.server.protocol import APIError, error_body
 from dspark.server.serving import add_generation_routes
 
 logger = logging.getLogger("dspark.server")
-LOAD_THREAD = "dspark-load"  # the daemon thread an engine loads in
 
 
 async def _in_daemon_thread(fn, *args):  # noqa: ANN202 - fn's result
@@ -53,7 +52,7 @@ async def _in_daemon_thread(fn, *args):  # noqa: ANN202 - fn's result
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
             loop.call_soon_threadsafe(settle, ok, out)
 
-    threading.Thread(target=run, name=LOAD_THREAD, daemon=True).start()
+    threading.Thread(target=run, name="dspark-load", daemon=True).start()
     return await fut
 
 

@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-import threading
 from collections.abc import Callable
 
 
@@ -15,7 +14,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dspark.cli import engine_config
-    from dspark.server.app import LOAD_THREAD, create_app
+    from dspark.server.app import create_app
     from dspark.server.runner import GracefulServer
 
     config = engine_config(args, default_policy="load-aware")
@@ -30,7 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                timeout_graceful_shutdown=args.shutdown_timeout)
     GracefulServer(uv_config, app.state.dspark).run()
-    if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+    if app.state.dspark.status == "loading":
         # Stopped while the engine still loads: interpreter shutdown would tear torch down under
         # the loading thread (the process aborts), so leave now; the load writes its caches atomically.
         logging.getLogger("dspark.server").info("stopped while the engine was loading")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 
 import torch
 
+from dspark.atomic import atomic_path
 from dspark.config import SamplingParams
 from dspark.engine.policy import CostModel
 from dspark.engine.sequence import Sequence
@@ -67,7 +67,6 @@ def load_or_measure(engine) -> CostModel:
     cost = measure(engine)
     path.parent.mkdir(parents=True, exist_ok=True)
     # written whole or not at all: a server stopped while it loads exits mid-load
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"tokens": cost.tokens, "seconds": cost.seconds}))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps({"tokens": cost.tokens, "seconds": cost.seconds}))
     return cost

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
+
+from dspark.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -241,9 +242,8 @@ def generate_dataset(prompts_file: str, data_dir: str | Path, num_prompts: int |
             "sampled": np.asarray([t > 0 for t in temps], dtype=np.uint8),
         }
         cats = json.dumps([prompts[i]["category"] for i in keep])
-        tmp = shard_path(data_dir, si).with_suffix(".tmp")
-        save_file(arrays, str(tmp), metadata={"categories": cats, "prompts": str(hi - lo)})
-        os.replace(tmp, shard_path(data_dir, si))
+        with atomic_path(shard_path(data_dir, si)) as tmp:
+            save_file(arrays, str(tmp), metadata={"categories": cats, "prompts": str(hi - lo)})
         stats["shards_written"] += 1
         stats["sequences"] += len(seqs)
         stats["tokens"] += int(arrays["tokens"].size)

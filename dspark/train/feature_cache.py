@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import shutil
 import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dspark.atomic import atomic_path
 
 _PARTS = ("feats", "final", "lse")
 
@@ -117,9 +118,8 @@ class FeatureCache:
     def _write_index(self) -> None:
         idx = {"layer_ids": self.layer_ids, "hidden": self.hidden, "key": self.key, "offsets": self.off.tolist(),
                "crc": self.crc.tolist()}
-        tmp = self.folder / "index.json.tmp"
-        tmp.write_text(json.dumps(idx))
-        os.replace(tmp, self.folder / "index.json")
+        with atomic_path(self.folder / "index.json") as tmp:
+            tmp.write_text(json.dumps(idx))
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +159,5 @@ class FeatureCache:
             self._lock.close()
 
     def _save_done(self) -> None:
-        tmp = self.folder / "done.tmp.npy"
-        np.save(tmp, self.done)
-        os.replace(tmp, self.folder / "done.npy")
+        with atomic_path(self.folder / "done.npy", suffix=".npy") as tmp:
+            np.save(tmp, self.done)

@@ -124,6 +124,7 @@ def test_chat_stream_matches_nonstream(server):
     assert last["choices"][0]["finish_reason"] == full.choices[0].finish_reason
     assert last["speculation"] == full.model_extra["speculation"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full.usage.model_dump(exclude_none=True)
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # OpenAI: null until the last chunk
     # the openai client's view of the same stream
     stream = client.chat.completions.create(model=model, messages=CHAT, temperature=0,
                                             max_completion_tokens=MAX_TOKENS, stream=True)

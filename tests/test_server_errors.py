@@ -62,12 +62,19 @@ INVALID = [
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     (CHAT, {"messages": [{"role": "user", "content": 7}]}, "messages.0.content"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 100_000}, "max_completion_tokens"),
     (CHAT, {"messages": MSGS, "n": 3}, "n"), (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
     (C, {"prompt": PROMPT, "min_tokens": 4}, "min_tokens"), (CHAT, {"messages": MSGS, "min_p": 0.1}, "min_p"),
     (CHAT, {"messages": MSGS, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     # past int64 top_k used to fail inside the batched step, failing every request in it (500)
     (C, {"prompt": PROMPT, "top_k": 2**63}, "top_k"), (CHAT, {"messages": MSGS, "top_k": 2**31}, "top_k"),
     (CHAT, {"messages": MSGS, "add_generation_prompt": False}, "add_generation_prompt"),
+    # 0 == False in Python, yet logprobs: 0 asks for the chosen token's logprob: not the "off" value
+    (C, {"prompt": PROMPT, "logprobs": 0}, "logprobs"), (C, {"prompt": PROMPT, "best_of": True}, "best_of"),
+    (C, {"prompt": PROMPT, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    (CHAT, {"messages": MSGS, "tool_choice": "required"}, "tool_choice"),
+    (C, {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     (C, {"prompt": PROMPT, "stop_token_ids": [-1]}, None), (C, {"prompt": PROMPT, "stop_token_ids": 2},
                                                             "stop_token_ids"),
 ]
@@ -193,6 +200,18 @@ def test_chat_template_error_gets_400(server, engine, monkeypatch):
     _ok(server)
 
 
+def test_unexpected_error_is_a_json_500_with_cors(server, engine, monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(engine, "encode", broken)
+    r = httpx.post(server.url + C, json={"prompt": PROMPT, "max_tokens": 2}, headers={"Origin": "http://ui.example"})
+    assert r.status_code == 500 and r.headers["access-control-allow-origin"] == "*"
+    assert error_of(r)["type"] == "internal_server_error" and "KeyError" in error_of(r)["message"]
+    monkeypatch.undo()
+    _ok(server)
+
+
 def test_engine_error_mid_stream(server, engine, monkeypatch):
     real, calls = engine.step, []
 
@@ -210,6 +229,40 @@ def test_engine_error_mid_stream(server, engine, monkeypatch):
     calls.clear()
     r = httpx.post(server.url + C, json={"prompt": PROMPT, "max_tokens": 16}, timeout=60)
     assert r.status_code == 500 and "boom" in error_of(r)["message"]
+    monkeypatch.undo()
+    assert wait_for(lambda: metric(scrape(server.url), "dspark:kv_cache_usage_perc") == 0)
+    _ok(server)
+
+
+def test_engine_error_fails_the_running_batch_only(server, engine, monkeypatch):
+    # max_num_seqs 2: two long requests run, a third waits; a step fails while it waits
+    real, raised = engine.step, []
+
+    def flaky():
+        if not raised and engine.waiting and len(engine.running) == 2:
+            raised.append(1)
+            raise RuntimeError("boom")
+        return real()
+
+    monkeypatch.setattr(engine, "step", flaky)
+    url, results = server.url, {}
+
+    def post(i: int, max_tokens: int) -> None:
+        results[i] = httpx.post(url + C, json={"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True},
+                                timeout=120)
+
+    threads = [threading.Thread(target=post, args=(i, 300)) for i in range(2)]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: len(engine.running) == 2)
+    threads.append(threading.Thread(target=post, args=(2, 4)))
+    threads[-1].start()
+    for t in threads:
+        t.join()
+    assert raised
+    assert [results[i].status_code for i in range(3)] == [500, 500, 200], [r.text for r in results.values()]
+    assert "boom" in error_of(results[0])["message"]
+    assert results[2].json()["usage"]["completion_tokens"] == 4
     monkeypatch.undo()
     assert wait_for(lambda: metric(scrape(server.url), "dspark:kv_cache_usage_perc") == 0)
     _ok(server)

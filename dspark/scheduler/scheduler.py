@@ -244,7 +244,9 @@ class AsyncEngine:
         cmd.future.set_result(n)
 
     def _recover(self, exc: Exception) -> None:
-        failed = list(self.engine.seqs)
+        # only the batch that ran can hold half-committed state; waiting (and preempted) requests
+        # own no pages and start from their tokens, so they stay queued
+        failed = [s.request_id for s in self.engine.running]
         self._loop.call_soon_threadsafe(self._fail, failed, exc)
         for rid in failed:
             try:

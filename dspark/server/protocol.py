@@ -1,7 +1,7 @@
 """OpenAI request models (as vLLM accepts them), response builders, and the API error type.
 
 Requests are validated strictly: a wrong JSON type is an error, not coerced. Unknown fields
-are ignored, like vLLM; known OpenAI features this server does not implement (logprobs,
+are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (logprobs,
 penalties, tools, ...) are rejected when set to anything but their default.
 """
 
@@ -15,7 +15,7 @@ from dspark.config import MAX_TOP_K, SamplingParams
 
 # OpenAI fields we do not implement, with the values that mean "off"
 _UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
@@ -23,8 +23,15 @@ _UNSUPPORTED: dict[str, tuple] = {
     "min_tokens": (None, 0), "min_p": (None, 0), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "chat_template": (None,), "tool_choice": (None, "none", "auto"),
 }
+
+
+def _is_off(value: Any, off: tuple) -> bool:
+    # by type as well as value: 0 == False, yet logprobs: 0 asks for the chosen token's logprob
+    return any(type(value) is type(v) and value == v for v in off)
 
 
 class APIError(Exception):
@@ -154,8 +161,12 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     for key, off in _UNSUPPORTED.items():
-        if key in body and body[key] not in off:
+        if key in body and not _is_off(body[key], off):
             raise APIError(400, f"{key} is not supported by this server", param=key)
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and not _is_off(opts.get("continuous_usage_stats"), (None, False)):
+        param = "stream_options.continuous_usage_stats"
+        raise APIError(400, f"{param} is not supported by this server", param=param)
     try:
         req = cls.model_validate(body)
     except ValidationError as e:

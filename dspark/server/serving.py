@@ -80,7 +80,10 @@ class _Generation:
         except UnavailableError as e:
             raise APIError(503, str(e)) from None
         except ValueError as e:
-            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+            param = getattr(e, "param", None)
+            if param == "max_tokens" and self.chat and req.max_completion_tokens is not None:
+                param = "max_completion_tokens"  # name the field the client sent
+            raise APIError(400, str(e), param=param) from None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background abort covers a client gone before the generator's first step (Starlette
@@ -135,15 +138,21 @@ class _Generation:
 
     async def _stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         """SSE chunks; a client that disconnects cancels this generator, which aborts the request."""
+
+        def chunk(body: dict) -> str:  # with include_usage every chunk but the last says "usage": null
+            if include_usage:
+                body.setdefault("usage", None)
+            return _sse(body)
+
         try:
             if self.chat:
-                yield _sse(chat_body(self.rid, self.created, self.model, "", None, chunk=True, role=True))
+                yield chunk(chat_body(self.rid, self.created, self.model, "", None, chunk=True, role=True))
             final = None
             async for out in stream:
                 if out.finished and out.finish_reason == "abort":
                     raise RequestAborted("the request was aborted")
                 if out.new_text or out.finished:
-                    yield _sse(self._chunk(out))
+                    yield chunk(self._chunk(out))
                 final = out
             if include_usage and final is not None:
                 u = usage(len(final.prompt_token_ids), len(final.token_ids))
@@ -164,8 +173,20 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _Generation(state, request, chat=False).run()
+        return await _answer(_Generation(state, request, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _Generation(state, request, chat=True).run()
+        return await _answer(_Generation(state, request, chat=True))
+
+
+async def _answer(gen: _Generation) -> Response:
+    # A bug becomes an APIError here, inside the CORS middleware: Starlette's catch-all handler
+    # answers outside it (a browser would see a CORS failure) and logs the traceback twice.
+    try:
+        return await gen.run()
+    except APIError:
+        raise
+    except Exception as e:
+        logger.exception("request %s failed", gen.rid)
+        raise APIError(500, f"internal error: {type(e).__name__}: {e}") from None

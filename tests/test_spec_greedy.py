@@ -186,6 +186,29 @@ def test_drafts_never_cost_a_preemption(folders, plain, drafter):
     assert outs[0].stats.accepted > 0  # the older request kept drafting
 
 
+def test_prefill_leaves_pages_for_running_drafts(folders, plain):
+    """A request arriving while another decodes, with a prompt longer than the free pages: its
+    prefill waits for pages rather than taking those the older request's drafts need (which would
+    switch drafting off there, then preempt the newcomer and recompute it, step after step)."""
+    engine = make_engine(folders["target"], folders["dspark"], kv_cache_tokens=16 * 6, block_size=8)
+    (pa, pb), sa, sb = alphabet_prompts([20, 60], seed=7), dataclasses.replace(GREEDY, max_tokens=30), \
+        dataclasses.replace(GREEDY, max_tokens=10)
+    engine.add_request("a", pa, dataclasses.replace(sa))
+    done, plain_steps = {}, 0
+    for i in range(200):
+        if i == 2:
+            engine.add_request("b", pb, dataclasses.replace(sb))
+        a = engine.seqs.get("a")
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        plain_steps += bool(a is not None and a.plain_step)
+        if not engine.has_unfinished():
+            break
+    _assert_same([done["a"], done["b"]], plain([(pa, sa), (pb, sb)]))
+    assert engine.num_preemptions == 0 and plain_steps == 0, (engine.num_preemptions, plain_steps)
+
+
 TREES = [("dspark", 16, 2), ("dspark", 5, 3), ("dflash", 8, 2), ("dspark_rv", 8, 2)]
 
 

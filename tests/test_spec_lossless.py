@@ -154,6 +154,17 @@ def test_tiny_temperature_is_argmax_not_nan():
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("k, top_p, want", [
+    (2, 0.5, [1.0, 0.0, 0.0, 0.0]),  # top-p over the top-2 renormalised (4/7, 3/7): 4/7 >= 0.5 alone
+    (0, 0.5, [4 / 7, 3 / 7, 0.0, 0.0]),  # top-p alone: 0.4 < 0.5, so the second token stays
+    (3, 0.6, [4 / 7, 3 / 7, 0.0, 0.0]), (3, 1.0, [4 / 9, 3 / 9, 2 / 9, 0.0]),
+])
+def test_top_k_then_top_p_by_hand(k, top_p, want):
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    probs = warp_logits(logits, torch.tensor(1.0), torch.tensor(k), torch.tensor(top_p))
+    assert torch.allclose(probs, torch.tensor(want), atol=1e-6), probs
+
+
 def test_sample_is_inverse_cdf_exact():
     g = torch.Generator().manual_seed(0)
     probs = warp(torch.randn(V, generator=g) * 2, 1.0, 0, 1.0)

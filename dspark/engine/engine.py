@@ -214,6 +214,11 @@ class Engine:
             decode.append(seq)
             budget -= need - seq.num_cached
         prefill: list[tuple[Sequence, int]] = []
+        # Prefill leaves free the pages the decoding requests need to draft again next step: a chunk
+        # that took them would switch their drafting off, and then be preempted (it is the newest)
+        # and recomputed, step after step. vLLM keeps lookahead slots free before admitting likewise.
+        keep_free = sum(self.pool.pages_needed(s.seq_id, s.num_cached + 2 * self.spec.max_tokens_for(s))
+                        for s in decode)
         # requests mid-prefill first, then new arrivals, while tokens and pages last
         candidates = [s for s in self.running if s.in_prefill] + list(self.waiting)
         for seq in candidates:
@@ -227,7 +232,10 @@ class Engine:
             n = min(budget, seq.prefill_target - seq.num_cached)
             if not seq.output_ids and n == seq.prefill_target - seq.num_cached == 0:
                 continue
-            n = min(n, self.pool.capacity(seq.seq_id) - seq.num_cached)
+            room = self.pool.capacity(seq.seq_id) - seq.num_cached - keep_free * self.pool.page_size
+            if seq.status is Status.WAITING and room <= seq.prefill_target - seq.num_cached:
+                break  # admitted only with room for its whole prompt and first token, as in vLLM
+            n = min(n, room)
             if n <= 0:
                 break
             if seq.status is Status.WAITING:
@@ -299,7 +307,7 @@ class Engine:
             count += 1
             if tok in seq.eos_ids or tok in p.stop_token_ids:
                 seq.finish_reason, stop_token = "stop", True
-            elif len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.max_model_len:
+            elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
             if p.stop:  # token by token, so the output ends at the token that completes a stop string
                 self._append_text(seq, stop_token)

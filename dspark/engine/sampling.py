@@ -26,11 +26,11 @@ def warp_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     if need_filter:
         sorted_x, order = x.sort(dim=-1, descending=True)
         rank = torch.arange(V, device=x.device)
-        drop = rank >= k[..., None]
+        # top-k first, then top-p over the renormalised survivors (vLLM's and HF's order)
+        sorted_x = sorted_x.masked_fill(rank >= k[..., None], float("-inf"))
         probs_sorted = sorted_x.softmax(-1)
         before = probs_sorted.cumsum(-1) - probs_sorted  # mass strictly above this token
-        drop |= before >= top_p[..., None].float()
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        sorted_x = sorted_x.masked_fill(before >= top_p[..., None].float(), float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     probs = x.softmax(-1)
     if bool(greedy.any()):

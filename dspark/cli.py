@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -59,13 +60,30 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
                         enforce_eager=args.enforce_eager, spec=spec)
 
 
+def check_at_least(args: argparse.Namespace, **bounds: int) -> None:
+    """ValueError naming the first flag below its bound (a flag left at None is not checked), so
+    a typo fails at once, not after a model load or an hour of data generation."""
+    for name, low in bounds.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def check_output_path(path: str | None) -> None:
+    """ValueError when a report could not be written at the end of a long run."""
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise ValueError(f"cannot write {path}: folder {str(Path(path).resolve().parent)!r} does not exist")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from dspark.config import SamplingParams
     from dspark.llm import LLM
 
-    llm = LLM.from_config(engine_config(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+                            max_tokens=args.max_tokens, seed=args.seed)  # checked before the model loads
+    config = engine_config(args)
+    config.validate()  # a wrong path or flag fails here, before any weights load
+    llm = LLM.from_config(config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     out = llm.generate([prompt], params)[0]
     print(out.text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 # Past any vocabulary size top_k means "off"; beyond int64 it would fail inside a batched engine step
@@ -80,6 +81,8 @@ class SpecConfig:
             raise ValueError(f"unknown spec policy {self.policy!r}: choose fixed, threshold or load-aware")
         if self.tree_budget < 1 or self.tree_topk < 1:
             raise ValueError("tree_budget and tree_topk must be >= 1")
+        if self.drafter not in (None, "none", "ngram") and not os.path.isdir(self.drafter):
+            raise ValueError(f"drafter {self.drafter!r} is not a folder; use a drafter folder, 'ngram' or 'none'")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -134,6 +137,9 @@ class EngineConfig:
         except RuntimeError as e:
             raise ValueError(f"unknown device {self.device!r}: {e}") from None
         self.spec.validate()
+        if self.model is not None and not os.path.exists(os.path.expanduser(self.model)):
+            raise ValueError(f"model path {self.model!r} does not exist; expected a Hugging Face folder "
+                             "(config.json + *.safetensors) or a .gguf file")
 
     def resolved_device(self) -> str:
         import torch

@@ -66,9 +66,11 @@ def test_flags_without_effect_are_warned_about(capsys):
 
 
 def test_serve_exits_when_the_engine_cannot_load(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    # a folder that exists (a missing path is refused before the port is bound) but holds no model
+    root, empty = Path(__file__).resolve().parents[1], tmp_path / "empty"
+    empty.mkdir()
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "dspark.cli", "serve", "--model", str(tmp_path / "missing"),
+    proc = subprocess.run([sys.executable, "-m", "dspark.cli", "serve", "--model", str(empty),
                            "--port", "0", "--log-level", "warning"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]

@@ -73,17 +73,12 @@ def parse_methods(text: str) -> list[str]:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the offline benchmark; print the JSON report to stdout (and --output)."""
     from dspark.bench.offline import default_prompts_path, load_prompts, run_bench
-    from dspark.cli import engine_config
+    from dspark.cli import check_at_least, check_output_path, engine_config
 
     methods = parse_methods(args.methods)
-    for name in ("num_prompts", "batch_size", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        raise ValueError("--warmup must be >= 0")
+    check_at_least(args, num_prompts=1, batch_size=1, max_tokens=1, warmup=0, threads=1)
+    check_output_path(args.output)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError("--threads must be >= 1")
         import torch
 
         torch.set_num_threads(args.threads)

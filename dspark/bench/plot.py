@@ -27,7 +27,10 @@ def _pyplot() -> Any:
 def load_report(path: str | pathlib.Path) -> dict[str, Any]:
     """A saved `dspark bench serve` JSON report; its label defaults to the file name."""
     path = pathlib.Path(path)
-    report = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(report, dict) or not isinstance(report.get("runs"), list) or not report["runs"]:
         raise ValueError(f"{path} is not a `dspark bench serve` report (no 'runs')")
     report["label"] = report.get("label") or path.stem

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
+
+from dspark.prompt_file import prompt_rows
 
 
 def default_prompts_path() -> pathlib.Path | None:
@@ -15,21 +16,12 @@ def default_prompts_path() -> pathlib.Path | None:
 def load_prompts(path: str | pathlib.Path, num: int, category: str | None = None) -> list[str]:
     """The first ``num`` prompts of a jsonl file (``prompt``, or the first of ``turns``)."""
     out: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: each line must be a JSON object, got {type(row).__name__}")
-            if category is not None and row.get("category") != category:
-                continue
-            text = row["prompt"] if "prompt" in row else (row.get("turns") or [None])[0]
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{line_no}: a row needs a 'prompt' string or a 'turns' list")
-            out.append(text)
-            if len(out) >= num:
-                break
+    for _, row, text in prompt_rows(path):
+        if category is not None and row.get("category") != category:
+            continue
+        out.append(text)
+        if len(out) >= num:
+            break
     if not out:
         raise ValueError(f"no prompts in {path}" + (f" with category {category!r}" if category else ""))
     return out

@@ -97,11 +97,11 @@ def add_plot_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 def _config(args: argparse.Namespace):
     from dspark.bench.prompts import cycle_prompts, default_prompts_path, load_prompts
     from dspark.bench.serve import ServeBenchConfig
+    from dspark.cli import check_at_least, check_output_path
 
-    if args.num_prompts < 1 or args.max_tokens < 1:
-        raise ValueError("--num-prompts and --max-tokens must be >= 1")
-    if args.warmup < 0:
-        raise ValueError("--warmup must be >= 0")
+    check_at_least(args, num_prompts=1, max_tokens=1, warmup=0)
+    check_output_path(args.output)
+    check_output_path(args.plot)
     rates = parse_rates(args.request_rate)
     if args.concurrency is not None:
         concurrencies = parse_concurrencies(args.concurrency)

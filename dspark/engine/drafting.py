@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from dspark.config import SpecConfig
@@ -46,8 +45,6 @@ def make_spec_runner(cfg: SpecConfig, engine) -> SpecRunner:
         return SpecRunner(cfg, engine)
     if name == "ngram":
         return NgramSpecRunner(cfg, engine)
-    if not os.path.isdir(name):
-        raise ValueError(f"drafter {name!r} is not a folder; use a drafter folder, 'ngram' or 'none'")
     from dspark.engine.neural_spec import NeuralSpecRunner
 
     return NeuralSpecRunner(cfg, engine, name)

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.cli import check_at_least, check_output_path
+
 
 def add_train_parsers(sub) -> None:
     t = sub.add_parser("train-drafter", help="self-distill data, train a DSpark drafter, export it")
@@ -65,7 +67,7 @@ def add_train_parsers(sub) -> None:
     o.add_argument("--grad-clip", type=float, default=1.0)
     o.add_argument("--gamma", type=float, default=4.0, help="position weights exp(-k/gamma)")
     o.add_argument("--max-len", type=int, default=1024, help="truncate training sequences")
-    o.add_argument("--save-every", type=int, default=500)
+    o.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (0: only when stopping)")
     o.add_argument("--log-every", type=int, default=10)
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--time-budget-minutes", type=float, default=None)
@@ -112,9 +114,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dspark.train.drafter_init import DTYPES, checkpoint_bytes, load_target
     from dspark.train.trainer import TrainConfig, Trainer
 
-    if args.skip_prompts < 0:
-        print(f"error: --skip-prompts must be >= 0, got {args.skip_prompts}", file=sys.stderr)
-        return 2
+    check_at_least(args, num_prompts=1, skip_prompts=0, gen_batch_size=1, max_new_tokens=1, max_prompt_tokens=1,
+                   shard_size=1, num_layers=1, block_size=1, markov_rank=1, intermediate_size=1, draft_vocab=1,
+                   steps=1, batch_size=1, grad_accum=1, anchors_per_seq=1, warmup=0, max_len=2, save_every=0,
+                   log_every=1)
+    if not 0.0 <= args.sample_share <= 1.0:
+        raise ValueError(f"--sample-share must be in [0, 1], got {args.sample_share}")
+    if args.time_budget_minutes is not None and args.time_budget_minutes <= 0:
+        raise ValueError(f"--time-budget-minutes must be > 0, got {args.time_budget_minutes}")
     if args.init_from and not (Path(args.init_from) / "config.json").is_file():
         # checked before data generation, which may take an hour
         print(f"error: --init-from {args.init_from}: no drafter config.json there", file=sys.stderr)
@@ -214,8 +221,12 @@ def _new_drafter(args: argparse.Namespace, target, tok, data):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from dspark.config import SamplingParams
     from dspark.train.evaluate import evaluate
 
+    check_at_least(args, num_prompts=1, per_category=1, max_tokens=1, block_size=1, tree_budget=1, max_num_seqs=1)
+    SamplingParams(temperature=args.temperature)  # validated before the model loads
+    check_output_path(args.out)
     res = evaluate(args.drafter, args.prompts, num_prompts=args.num_prompts, per_category=args.per_category,
                    max_tokens=args.max_tokens, temperature=args.temperature, model=args.model,
                    device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,

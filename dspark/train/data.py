@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from dspark.atomic import atomic_path
+from dspark.prompt_file import prompt_rows
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +41,14 @@ def read_prompts(path: str | Path, limit: int | None = None, skip: int = 0) -> l
     """[{id, category, messages}] from a jsonl file with `prompt` or `turns` per line, after
     its first `skip` prompts."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            if skip > 0:
-                skip -= 1
-                continue
-            d = json.loads(line)
-            text = d.get("prompt")
-            if text is None and d.get("turns"):
-                t = d["turns"][0]
-                text = t if isinstance(t, str) else t.get("content")
-            if not text:
-                raise ValueError(f"{path}:{i + 1}: needs a 'prompt' or 'turns'")
-            out.append({"id": d.get("id", str(i)), "category": d.get("category", "all"),
-                        "messages": [{"role": "user", "content": text}]})
-            if limit and len(out) >= limit:
-                break
+    for line_no, d, text in prompt_rows(path):
+        if skip > 0:
+            skip -= 1
+            continue
+        out.append({"id": d.get("id", str(line_no - 1)), "category": d.get("category", "all"),
+                    "messages": [{"role": "user", "content": text}]})
+        if limit and len(out) >= limit:
+            break
     return out
 
 
@@ -206,8 +197,8 @@ def generate_dataset(prompts_file: str, data_dir: str | Path, num_prompts: int |
     stats = {"shards_written": 0, "sequences": 0, "tokens": 0, "skipped_long": 0}
     if not todo:  # e.g. a training run on a finished folder with another --seed: nothing to record
         return stats | {"seconds": 0.0}
+    gen = make_generator(model, device, dtype, s)  # first: a model that fails to load records nothing
     (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    gen = make_generator(model, device, dtype, s)
     bar = tqdm(total=sum(min(s.shard_size, len(prompts) - i * s.shard_size) for i in todo),
                desc="generating", unit="prompt", disable=not progress)
     for si in todo:

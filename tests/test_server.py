@@ -73,10 +73,12 @@ def test_stop_string_and_seeded_sampling(server):
     client, model = server.openai(), server.state.names[0]
     full = client.completions.create(model=model, prompt=REPEAT, stop=["four"], temperature=0, max_tokens=24)
     assert full.choices[0].finish_reason == "stop" and "four" not in full.choices[0].text
+    assert full.choices[0].model_extra["stop_reason"] == "four"  # vLLM's extension: which stop matched
     chunks = list(client.completions.create(model=model, prompt=REPEAT, stop=["four"], temperature=0,
                                             max_tokens=24, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] == "four"
+    assert all(c.choices[0].model_extra["stop_reason"] is None for c in chunks[:-1])
     kw = {"model": model, "messages": CHAT, "temperature": 0.9, "top_p": 0.95, "max_tokens": 12,
           "extra_body": {"top_k": 50}}
     a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
@@ -95,7 +97,8 @@ def test_stop_token_ids(server):
     word = server.state.engine.tokenizer.encode(" three", add_special_tokens=False)
     assert len(word) == 1 and " three" in text
     cut = client.completions.create(extra_body={"stop_token_ids": word}, **kw)
-    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["stop_reason"] == word[0]
+    assert full.choices[0].model_extra["stop_reason"] is None  # length or EOS
     assert cut.choices[0].text == text[:text.index(" three")]
     assert cut.usage.completion_tokens < full.usage.completion_tokens
 

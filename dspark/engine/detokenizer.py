@@ -18,13 +18,13 @@ def decode_new_text(tokenizer, seq: Sequence, flush: bool = False, end: int | No
     return ""
 
 
-def find_stop(text: str, stops: list[str], new_len: int) -> int:
-    """Index where the earliest stop string starts in text, searching only where the
-    newest new_len characters could complete one; -1 when none."""
-    best = -1
+def find_stop(text: str, stops: list[str], new_len: int) -> tuple[int, str | None]:
+    """(index where the earliest stop string starts in text, that string), searching only where
+    the newest new_len characters could complete one; (-1, None) when none."""
+    best, which = -1, None
     for s in stops:
         start = max(0, len(text) - new_len - len(s) + 1)
         i = text.find(s, start)
         if i != -1 and (best == -1 or i < best):
-            best = i
-    return best
+            best, which = i, s
+    return best, which

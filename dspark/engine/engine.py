@@ -307,6 +307,7 @@ class Engine:
             count += 1
             if tok in seq.eos_ids or tok in p.stop_token_ids:
                 seq.finish_reason, stop_token = "stop", True
+                seq.stop_reason = None if tok in seq.eos_ids else tok  # vLLM: None for EOS
             elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
             if p.stop:  # token by token, so the output ends at the token that completes a stop string
@@ -327,10 +328,10 @@ class Engine:
         delta = decode_new_text(self.tokenizer, seq, flush=seq.finish_reason is not None, end=end)
         seq.text += delta
         if seq.params.stop and delta:
-            cut = find_stop(seq.text, seq.params.stop, len(delta))
+            cut, which = find_stop(seq.text, seq.params.stop, len(delta))
             if cut != -1:
                 seq.text = seq.text[:cut]
-                seq.finish_reason = "stop"
+                seq.finish_reason, seq.stop_reason = "stop", which
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -71,6 +71,7 @@ class Sequence:
     num_cached: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched (vLLM's)
     text: str = ""
     stats: SpecStats = field(default_factory=SpecStats)
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -116,7 +117,7 @@ class Sequence:
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_ids, token_ids=list(self.output_ids),
             text=self.text, new_token_ids=new_ids, new_text=new_text, finished=self.is_finished,
-            finish_reason=self.finish_reason, stats=self.stats, ttft=ttft,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason, stats=self.stats, ttft=ttft,
             decode_time=end - self.first_token_time if self.first_token_time else None,
             num_preemptions=self.num_preemptions)
 
@@ -134,6 +135,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     stats: SpecStats
+    stop_reason: int | str | None = None
     ttft: float | None = None  # seconds from arrival to the first token
     decode_time: float | None = None  # seconds from the first token to the last
     num_preemptions: int = 0

@@ -188,11 +188,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                    usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False) -> dict:
-    """A text_completion object, or one streamed chunk of it."""
+                    usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False,
+                    stop_reason: int | str | None = None) -> dict:
+    """A text_completion object, or one streamed chunk of it. stop_reason (vLLM's extension): the
+    stop string or stop token id that ended the output, null for EOS and length."""
     body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [{"index": 0, "text": text, "logprobs": None,
-                                         "finish_reason": finish_reason}]}
+                                         "finish_reason": finish_reason, "stop_reason": stop_reason}]}
     if not chunk or usage_ is not None:
         body["usage"] = usage_
     if speculation is not None:
@@ -202,7 +204,7 @@ def completion_body(rid: str, created: int, model: str, text: str, finish_reason
 
 def chat_body(rid: str, created: int, model: str, content: str | None, finish_reason: str | None,
               usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False,
-              role: bool = False) -> dict:
+              role: bool = False, stop_reason: int | str | None = None) -> dict:
     """A chat.completion object, or one chat.completion.chunk (a delta) when chunk."""
     if chunk:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -210,10 +212,11 @@ def chat_body(rid: str, created: int, model: str, content: str | None, finish_re
             delta["content"] = content
         elif role:
             delta["content"] = ""
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
     else:
         choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                  "finish_reason": finish_reason}
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
                             "created": created, "model": model, "choices": [choice]}
     if not chunk or usage_ is not None:

@@ -94,7 +94,7 @@ class _Generation:
         u = usage(len(out.prompt_token_ids), len(out.token_ids))
         build = chat_body if self.chat else completion_body
         return JSONResponse(build(self.rid, self.created, self.model, out.text, out.finish_reason, u,
-                                  self._speculation(out)))
+                                  self._speculation(out), stop_reason=out.stop_reason))
 
     def _check_block_size(self) -> None:
         spec = self.state.engine.spec
@@ -131,10 +131,10 @@ class _Generation:
     def _chunk(self, out: RequestOutput) -> dict:
         finish = out.finish_reason if out.finished else None
         spec = self._speculation(out) if out.finished else None
-        if self.chat:
-            return chat_body(self.rid, self.created, self.model, out.new_text, finish, speculation=spec, chunk=True)
-        return completion_body(self.rid, self.created, self.model, out.new_text, finish, speculation=spec,
-                               chunk=True)
+        stop = out.stop_reason if out.finished else None
+        build = chat_body if self.chat else completion_body
+        return build(self.rid, self.created, self.model, out.new_text, finish, speculation=spec, chunk=True,
+                     stop_reason=stop)
 
     async def _stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         """SSE chunks; a client that disconnects cancels this generator, which aborts the request."""

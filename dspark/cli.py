@@ -71,8 +71,9 @@ def check_at_least(args: argparse.Namespace, **bounds: int) -> None:
 
 def check_output_path(path: str | None) -> None:
     """ValueError when a report could not be written at the end of a long run."""
-    if path is not None and not Path(path).resolve().parent.is_dir():
-        raise ValueError(f"cannot write {path}: folder {str(Path(path).resolve().parent)!r} does not exist")
+    folder = Path(path).resolve().parent if path is not None else None
+    if folder is not None and not folder.is_dir():
+        raise ValueError(f"cannot write {path}: folder {str(folder)!r} does not exist")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

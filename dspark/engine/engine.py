@@ -217,10 +217,10 @@ class Engine:
         # Prefill leaves free the pages the decoding requests need to draft again next step: a chunk
         # that took them would switch their drafting off, and then be preempted (it is the newest)
         # and recomputed, step after step. vLLM keeps lookahead slots free before admitting likewise.
-        keep_free = sum(self.pool.pages_needed(s.seq_id, s.num_cached + 2 * self.spec.max_tokens_for(s))
-                        for s in decode)
         # requests mid-prefill first, then new arrivals, while tokens and pages last
         candidates = [s for s in self.running if s.in_prefill] + list(self.waiting)
+        keep_free = sum(self.pool.pages_needed(s.seq_id, s.num_cached + 2 * self.spec.max_tokens_for(s))
+                        for s in decode) if candidates else 0  # most steps have nothing to prefill
         for seq in candidates:
             if budget <= 0:
                 break
@@ -308,7 +308,7 @@ class Engine:
             if tok in seq.eos_ids or tok in p.stop_token_ids:
                 seq.finish_reason, stop_token = "stop", True
                 seq.stop_reason = None if tok in seq.eos_ids else tok  # vLLM: None for EOS
-            elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_model_len:
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
             if p.stop:  # token by token, so the output ends at the token that completes a stop string
                 self._append_text(seq, stop_token)

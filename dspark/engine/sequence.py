@@ -92,6 +92,11 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        """len(all_ids) without building the list."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def prefill_target(self) -> int:
         """Tokens to cache before decoding can start (all but the anchor)."""
         return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)

@@ -37,7 +37,11 @@ def _fails(argv: list[str], capsys, words: str) -> None:
     (["--shard-size", "0"], "--shard-size must be >= 1"), (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--steps", "-1"], "--steps must be >= 1"), (["--grad-accum", "0"], "--grad-accum must be >= 1"),
     (["--log-every", "0"], "--log-every must be >= 1"), (["--sample-share", "1.5"], "--sample-share"),
-    (["--time-budget-minutes", "0"], "--time-budget-minutes"),
+    (["--time-budget-minutes", "0"], "--time-budget-minutes"), (["--gamma", "0"], "--gamma must be > 0"),
+    (["--loss-weights", "0.1,0.9"], "--loss-weights wants CE,L1,BCE"),
+    (["--loss-weights", "0,0,1"], "--loss-weights wants CE,L1,BCE"),
+    (["--loss-weights", "0.1,-1,1"], "--loss-weights wants CE,L1,BCE"),
+    (["--loss-weights", "a,b,c"], "--loss-weights wants CE,L1,BCE"),
 ])
 def test_train_drafter_numbers(flags, words, prompts, tmp_path, capsys):
     _fails(["train-drafter", "--prompts", prompts, "--out", str(tmp_path / "run"), *flags], capsys, words)

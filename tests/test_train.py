@@ -622,6 +622,24 @@ def test_resume_lists_changed_settings(target, tmp_path):
     other = Trainer(target, tr.drafter, data, cfg, tmp_path / "run", pad_id=2)
     assert other.load_checkpoint()
     assert other.resume_changes == {"steps": (2, 5), "lr": (tr.cfg.lr, tr.cfg.lr * 2)}
+    weighted = Trainer(target, tr.drafter, data, dataclasses.replace(tr.cfg, loss_weights=[0.5, 0.5, 1.0]),
+                       tmp_path / "run", pad_id=2)
+    assert weighted.load_checkpoint()
+    assert weighted.resume_changes == {"loss_weights": ([0.1, 0.9, 1.0], [0.5, 0.5, 1.0])}
+
+
+def test_loss_weights_reach_the_loss(target, tmp_path):
+    """--loss-weights: the trainer's total is the weighted sum of the same parts."""
+    data = _toy_data(tmp_path)
+    parts_total = {}
+    for w in ([0.1, 0.9, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 2.0]):
+        tr = _trainer(target, data, tmp_path / "run", loss_weights=w)
+        with torch.no_grad():
+            total, parts = tr.micro_loss(3)
+        parts_total[tuple(w)] = float(total)
+        expect = w[0] * float(parts["ce"]) + w[1] * float(parts["l1"]) + w[2] * float(parts["bce"])
+        assert float(total) == pytest.approx(expect, rel=1e-5)
+    assert len(set(parts_total.values())) == 3
 
 
 def test_resume_refuses_another_drafter_shape(target, tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,8 @@ def add_train_parsers(sub) -> None:
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--grad-clip", type=float, default=1.0)
     o.add_argument("--gamma", type=float, default=4.0, help="position weights exp(-k/gamma)")
+    o.add_argument("--loss-weights", default="0.1,0.9,1.0", metavar="CE,L1,BCE",
+                   help="weights of the loss parts (DSpark's by default)")
     o.add_argument("--max-len", type=int, default=1024, help="truncate training sequences")
     o.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (0: only when stopping)")
     o.add_argument("--log-every", type=int, default=10)
@@ -106,6 +109,17 @@ def _device(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
+def _loss_weights(text: str) -> list[float]:
+    """'0.1,0.9,1.0' -> [0.1, 0.9, 1.0]: three finite weights >= 0, not all of CE and L1 zero."""
+    try:
+        w = [float(x) for x in text.split(",")]
+    except ValueError:
+        w = []
+    if len(w) != 3 or not all(math.isfinite(x) and x >= 0 for x in w) or w[0] + w[1] == 0:
+        raise ValueError(f"--loss-weights wants CE,L1,BCE: three numbers >= 0 with CE + L1 > 0, got {text!r}")
+    return w
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
@@ -118,6 +132,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                    shard_size=1, num_layers=1, block_size=1, markov_rank=1, intermediate_size=1, draft_vocab=1,
                    steps=1, batch_size=1, grad_accum=1, anchors_per_seq=1, warmup=0, max_len=2, save_every=0,
                    log_every=1)
+    weights = _loss_weights(args.loss_weights)
+    if not args.gamma > 0:
+        raise ValueError(f"--gamma must be > 0, got {args.gamma}")
     if not 0.0 <= args.sample_share <= 1.0:
         raise ValueError(f"--sample-share must be in [0, 1], got {args.sample_share}")
     if args.time_budget_minutes is not None and args.time_budget_minutes <= 0:
@@ -163,7 +180,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
                       anchors_per_seq=args.anchors_per_seq, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
                       warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      gamma=args.gamma, dtype=dtype, device=device, seed=args.seed, save_every=args.save_every,
+                      gamma=args.gamma, loss_weights=weights, dtype=dtype, device=device, seed=args.seed,
+                      save_every=args.save_every,
                       log_every=args.log_every, max_len=args.max_len, deadline=deadline,
                       export_dtype=args.export_dtype, progress=not args.no_progress,
                       cache_features=args.cache_features, feature_cache_dir=args.feature_cache,

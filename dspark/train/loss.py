@@ -83,11 +83,12 @@ def dspark_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels:
 def batch_loss(drafter, target_lm_head, feats: torch.Tensor, final_hidden: torch.Tensor,
                tokens: torch.Tensor, lengths: torch.Tensor, resp_mask: torch.Tensor,
                anchors: torch.Tensor, anchor_ok: torch.Tensor, gamma: float = 4.0,
-               final_lse: torch.Tensor | None = None, loss_fn=dspark_loss) -> tuple[torch.Tensor, dict]:
+               final_lse: torch.Tensor | None = None, loss_fn=dspark_loss,
+               weights: tuple[float, float, float] = LOSS_WEIGHTS) -> tuple[torch.Tensor, dict]:
     """Full DSpark loss for a batch: one multi-anchor drafter forward, LM heads only on the
     supervised slots. feats/final_hidden come from features.target_features (no grad);
     final_lse [B, T] (the target's log-normalizers) lets a reduced-vocabulary drafter skip the
-    target's full LM head. loss_fn: dspark_loss or a torch.compile'd version of it."""
+    target's full LM head. loss_fn: dspark_loss or a torch.compile'd version of it; weights: (ce, l1, bce)."""
     c = drafter.config
     Bk = c.block_size
     h = drafter_blocks(drafter, feats, tokens, anchors)  # [B, A, Bk, H]
@@ -111,7 +112,8 @@ def batch_loss(drafter, target_lm_head, feats: torch.Tensor, final_hidden: torch
             t_logits = target_lm_head(final_hidden[b_idx, pos]).float()
     d_logits = drafter.step_logits(drafter.draft_logits(hs), prev)
     conf = drafter.confidence(hs, prev)
-    total, parts = loss_fn(d_logits, t_logits, labels, conf, k_idx, gamma, draft_to_target=d2t, target_lse=lse)
+    total, parts = loss_fn(d_logits, t_logits, labels, conf, k_idx, gamma, weights, draft_to_target=d2t,
+                           target_lse=lse)
     parts["slots"] = int(b_idx.numel())
     # teacher-forced agreement by block position (outside loss_fn: bincount's size is data-dependent)
     parts["slot_hits"] = torch.bincount(k_idx, weights=parts.pop("hit"), minlength=Bk).float().cpu()

@@ -27,7 +27,7 @@ from dspark.train.data import TokenDataset
 from dspark.train.drafter_init import DTYPES
 from dspark.train.feature_cache import FeatureCache, target_key
 from dspark.train.features import sample_anchors, target_features
-from dspark.train.loss import batch_loss, dspark_loss, expected_tau
+from dspark.train.loss import LOSS_WEIGHTS, batch_loss, dspark_loss, expected_tau
 
 SLOT_COUNTS = ("slot_hits", "slot_rows")  # [block] tensors a step sums over its micro-batches
 
@@ -53,6 +53,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float = 4.0
+    loss_weights: list[float] = field(default_factory=lambda: list(LOSS_WEIGHTS))  # ce, l1, bce
     dtype: str = "fp32"  # fp32 | bf16 (autocast; master weights stay fp32)
     device: str = "cpu"
     seed: int = 0
@@ -72,7 +73,7 @@ class TrainConfig:
 # Settings a resumed run may change on purpose (more --steps after new data reshapes the cosine),
 # but that should never change unnoticed: load_checkpoint lists the ones that differ.
 RESUME_SETTINGS = ("steps", "lr", "min_lr_ratio", "warmup", "batch_size", "grad_accum", "anchors_per_seq",
-                   "weight_decay", "gamma", "dtype", "seed")
+                   "weight_decay", "gamma", "loss_weights", "dtype", "seed")
 
 
 class Trainer:
@@ -146,7 +147,8 @@ class Trainer:
         with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.amp):
             feats, final, lse = self.features(idx, b)
             return batch_loss(self.drafter, self.target.lm_head, feats, final, b["ids"], b["lengths"],
-                              b["resp"], anchors, ok, gamma=c.gamma, final_lse=lse, loss_fn=self.loss_fn)
+                              b["resp"], anchors, ok, gamma=c.gamma, final_lse=lse, loss_fn=self.loss_fn,
+                              weights=tuple(c.loss_weights))
 
     @torch.no_grad()
     def features(self, idx: list[int], b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

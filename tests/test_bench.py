@@ -67,6 +67,32 @@ def test_bench_hf_vs_ar(model: None, tmp_path: pathlib.Path, capsys: pytest.Capt
     assert "speedup_vs_ar" in report["methods"]["hf"]
 
 
+def test_bench_reports_drafter_share(model: None, tmp_path: pathlib.Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The shipped drafter's run reports tau, output equal to ar's, and the share of the decode
+    window its own passes took (accumulated per group, so strictly inside (0, 1))."""
+    from dspark.engine.drafting import default_drafter
+
+    if default_drafter() == "ngram":
+        pytest.skip("no shipped drafter")
+    rc = main(["bench", "--prompts", str(_prompts(tmp_path)), "--category", "keep", "--max-tokens", "12",
+               "--methods", "ar,dspark", "--batch-size", "1", "--kv-cache-tokens", "4096", "--threads", "1"])
+    assert rc == 0
+    m = json.loads(capsys.readouterr().out)["methods"]
+    assert m["dspark"]["matches_ar"] == 1.0 and m["dspark"]["tau"] >= 1.0
+    assert 0.0 < m["dspark"]["draft_share"] < 1.0
+    assert "draft_share" not in m["ar"]
+
+
+def test_draft_share_is_drafter_time_over_decode_time() -> None:
+    from dspark.bench.offline import MethodRun, summarize
+
+    run = MethodRun(token_ids=[[1, 2]], decode_tokens=10, decode_time=2.0, stats=[], draft_time=0.5)
+    assert summarize("dspark", run, {})["draft_share"] == 0.25
+    assert "draft_share" not in summarize("dspark", MethodRun(token_ids=[[1]], decode_tokens=1,
+                                                               decode_time=1.0, stats=[]), {})
+
+
 @pytest.mark.parametrize("order", [[], ["--sequential"]], ids=["interleaved", "sequential"])
 def test_bench_reports_failing_method(model: None, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
                                       order: list[str]) -> None:

@@ -13,6 +13,7 @@ Timing definitions (prefill excluded from decode speed):
 * HF: ``generate(max_new_tokens=1)`` on the same batch gives the group's TTFT; the decode window
   is the full ``generate`` time minus that TTFT.
 * ``decode_tok_s`` = sum over groups of (generated tokens - 1 per request) / sum of decode windows.
+* ``draft_share`` (neural drafters) = seconds inside drafter passes / sum of decode windows.
 * Order: by default every method is loaded at once and each group is run by every method in
   turn (the order rotated per group), so a machine whose speed drifts slows all methods alike;
   ``--sequential`` runs one method at a time (one model in memory, for models that do not fit
@@ -52,6 +53,7 @@ class MethodRun:
     load_s: float = 0.0
     stats: list[Any] | None = None  # SpecStats per request (our engine only)
     drafter: str | None = None  # the spec runner the engine picked (our engine only)
+    draft_time: float = 0.0  # seconds in drafter passes (a neural drafter only)
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], chat: bool) -> list[list[int]]:
@@ -106,9 +108,12 @@ class EngineMethod:
             self.llm.generate(prompt_ids, self.params)
 
     def measure(self, group: list[list[int]]) -> None:
+        spec = self.llm.engine.spec
+        d0 = getattr(spec, "draft_time", 0.0)
         t0 = time.perf_counter()
         outs = self.llm.generate(group, self.params)
         t1 = time.perf_counter()
+        self.run.draft_time += getattr(spec, "draft_time", 0.0) - d0
         ttfts = [o.ttft or 0.0 for o in outs]
         run = self.run
         # from the first first-token: requests admitted later (past max_num_seqs or the prefill
@@ -204,6 +209,8 @@ def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[st
         out["matches_ar"] = round(same / len(run.token_ids), 4)
     if method in SPEC_METHODS and run.stats is not None:
         out.update(_spec_summary(run.stats))
+        if run.draft_time > 0 and run.decode_time > 0:  # how much of decoding the drafter itself costs
+            out["draft_share"] = round(run.draft_time / run.decode_time, 4)
     for name in ("ar", "hf"):
         other = ref.get(name)
         if method != name and other is not None and tok_s and other.decode_time > 0 and other.decode_tokens:

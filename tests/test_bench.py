@@ -186,7 +186,7 @@ def test_decode_window_opens_at_the_first_first_token(monkeypatch: pytest.Monkey
     m.run, m.params = offline.MethodRun(stats=[]), None
     outs = [SimpleNamespace(ttft=0.1, token_ids=list(range(100)), stats=None),
             SimpleNamespace(ttft=0.9, token_ids=list(range(10)), stats=None)]
-    m.llm = SimpleNamespace(generate=lambda group, params: outs, engine=SimpleNamespace(spec=None))
+    m.llm = SimpleNamespace(generate=lambda group, params: outs, engine=SimpleNamespace(draft_time=0.0))
     clock = iter([0.0, 1.0])
     monkeypatch.setattr(offline, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     m.measure([[1], [2]])

@@ -13,7 +13,7 @@ Timing definitions (prefill excluded from decode speed):
 * HF: ``generate(max_new_tokens=1)`` on the same batch gives the group's TTFT; the decode window
   is the full ``generate`` time minus that TTFT.
 * ``decode_tok_s`` = sum over groups of (generated tokens - 1 per request) / sum of decode windows.
-* ``draft_share`` (neural drafters) = seconds inside drafter passes / sum of decode windows.
+* ``draft_share`` (speculative methods) = seconds in the drafter's proposals / sum of decode windows.
 * Order: by default every method is loaded at once and each group is run by every method in
   turn (the order rotated per group), so a machine whose speed drifts slows all methods alike;
   ``--sequential`` runs one method at a time (one model in memory, for models that do not fit
@@ -53,7 +53,7 @@ class MethodRun:
     load_s: float = 0.0
     stats: list[Any] | None = None  # SpecStats per request (our engine only)
     drafter: str | None = None  # the spec runner the engine picked (our engine only)
-    draft_time: float = 0.0  # seconds in drafter passes (a neural drafter only)
+    draft_time: float = 0.0  # seconds in the drafter's proposals (our engine only)
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], chat: bool) -> list[list[int]]:
@@ -108,14 +108,13 @@ class EngineMethod:
             self.llm.generate(prompt_ids, self.params)
 
     def measure(self, group: list[list[int]]) -> None:
-        spec = self.llm.engine.spec
-        d0 = getattr(spec, "draft_time", 0.0)
+        d0 = self.llm.engine.draft_time
         t0 = time.perf_counter()
         outs = self.llm.generate(group, self.params)
         t1 = time.perf_counter()
-        self.run.draft_time += getattr(spec, "draft_time", 0.0) - d0
         ttfts = [o.ttft or 0.0 for o in outs]
         run = self.run
+        run.draft_time += self.llm.engine.draft_time - d0
         # from the first first-token: requests admitted later (past max_num_seqs or the prefill
         # budget) decode alongside earlier ones, whose tokens all count, so a window opened at the
         # last first-token would miss time that produced counted tokens

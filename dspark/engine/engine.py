@@ -77,6 +77,7 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # for requests without their own seed
         self.num_preemptions = 0
+        self.draft_time = 0.0  # wall seconds spent in the drafter's proposals (bench: draft_share)
         self.spec_stats = SpecStats()  # engine-wide totals
         self._finished_pending: list[Sequence] = []
 
@@ -163,6 +164,7 @@ class Engine:
         t0 = time.perf_counter()
         proposals = self.spec.propose(decode, sum(n for _, n in prefill)) if decode else {}
         t_draft = time.perf_counter() - t0
+        self.draft_time += t_draft
         works = []
         for seq in decode:
             prop = proposals.get(seq.seq_id)

@@ -43,7 +43,6 @@ class NeuralSpecRunner(SpecRunner):
         self._q: dict[int, torch.Tensor] = {}
         self.draft_seconds: dict[int, float] = {}  # EMA of a drafter pass's wall time, by batch size
         self.num_draft_passes = 0
-        self.draft_time = 0.0  # wall seconds of every drafter pass so far (bench reports its share)
         self._skip_steps, self._backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
         # deferred context writes, one entry per step: (features of its kept rows, and for each
         # request in row order (seq, its preemption count then, first position, rows))
@@ -85,7 +84,6 @@ class NeuralSpecRunner(SpecRunner):
 
     def _record_pass(self, R: int, seconds: float) -> None:
         self.num_draft_passes += 1
-        self.draft_time += seconds
         priced = bool(self.draft_seconds)  # the very first choice took the drafter to be free
         old = self.draft_seconds.get(R, seconds)
         self.draft_seconds[R] = old + self.DRAFT_TIME_EMA * (seconds - old)

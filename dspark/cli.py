@@ -1,4 +1,4 @@
-"""The `dspark` command: serve, generate, bench, train-drafter, eval-drafter."""
+"""The `dspark` command: serve, generate, bench, train-drafter, eval-drafter, average-drafters."""
 
 from __future__ import annotations
 

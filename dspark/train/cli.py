@@ -102,6 +102,13 @@ def add_train_parsers(sub) -> None:
     e.add_argument("--out", default=None, help="also write the JSON here")
     e.set_defaults(func=cmd_eval)
 
+    a = sub.add_parser("average-drafters", help="the weighted element-wise mean of drafters of one architecture")
+    a.add_argument("drafters", nargs="+", metavar="DRAFTER_DIR", help="exported drafter folders (two or more)")
+    a.add_argument("--out", required=True, help="a new (or empty) folder for the averaged drafter")
+    a.add_argument("--weights", default=None, metavar="W1,W2,...", help="one per drafter, scaled to sum to 1 "
+                   "(default: equal)")
+    a.set_defaults(func=cmd_average)
+
 
 def _device(name: str) -> str:
     import torch
@@ -253,4 +260,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def cmd_average(args: argparse.Namespace) -> int:
+    from dspark.train.average import average_drafters, parse_weights
+
+    record = average_drafters(args.drafters, args.out, parse_weights(args.weights, len(args.drafters)))
+    print(json.dumps(record))
     return 0

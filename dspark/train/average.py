@@ -1,0 +1,99 @@
+"""Weight averaging of drafters (a "model soup"): the weighted element-wise mean of exported
+drafter folders that share one architecture and draft vocabulary.
+
+A short CPU run ends with its learning rate still high; the mean of its export and the weights
+it warm-started from has measured better than either (drafters/README.md), so the shipped
+drafter is built this way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.atomic import atomic_path
+
+
+def _read(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    cfg, files = folder / "config.json", sorted(folder.glob("*.safetensors"))
+    if not cfg.is_file() or not files:
+        raise ValueError(f"drafter folder {folder} needs config.json and model.safetensors")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error type: a truncated or foreign file
+            raise ValueError(f"cannot read {f}: {e}") from None
+    return json.loads(cfg.read_text()), sd
+
+
+def normalised(weights: list[float] | None, n: int) -> list[float]:
+    """Weights scaled to sum to 1 (None: equal). Refuses a count other than n, or a weight that is
+    negative or not finite, or a set that sums to zero."""
+    if weights is None:
+        return [1.0 / n] * n
+    if len(weights) != n or not all(math.isfinite(x) and x >= 0 for x in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights: {n} numbers >= 0 wanted (one per drafter, not all zero), got {weights}")
+    return [x / sum(weights) for x in weights]
+
+
+def parse_weights(text: str | None, n: int) -> list[float] | None:
+    """'1,3' -> [1.0, 3.0] (checked against n drafters); None stays None (equal weights)."""
+    if text is None:
+        return None
+    try:
+        w = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--weights wants comma-separated numbers, got {text!r}") from None
+    normalised(w, n)
+    return w
+
+
+def average_drafters(paths: list[str | Path], out: str | Path, weights: list[float] | None = None) -> dict:
+    """Write the weighted mean of the drafters at `paths` to `out` (a new or empty folder).
+
+    Floating tensors are averaged in float32 and stored in the first drafter's dtype; integer
+    tensors (the draft-to-target map) must be equal in all. Returns what was done, also written
+    to out/average.json.
+    """
+    folders = [Path(p) for p in paths]
+    if len(folders) < 2:
+        raise ValueError("averaging needs at least two drafter folders")
+    weights = normalised(weights, len(folders))
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not an empty folder: pick a new one (nothing is overwritten)")
+    loaded = [_read(f) for f in folders]
+    cfg0, sd0 = loaded[0]
+    for folder, (cfg, sd) in zip(folders[1:], loaded[1:]):
+        diff = sorted(k for k in set(cfg) | set(cfg0) if cfg.get(k) != cfg0.get(k))
+        if diff:
+            raise ValueError(f"{folder} differs from {folders[0]} in config {', '.join(diff)}: only drafters "
+                             "of one architecture can be averaged")
+        if set(sd) != set(sd0):
+            raise ValueError(f"{folder} holds other tensors than {folders[0]}: "
+                             f"{sorted(set(sd) ^ set(sd0))[:5]}")
+        for k, v in sd.items():
+            if v.shape != sd0[k].shape:
+                raise ValueError(f"{folder}: {k} has shape {tuple(v.shape)}, {folders[0]} {tuple(sd0[k].shape)}")
+            if not v.is_floating_point() and not torch.equal(v, sd0[k]):
+                raise ValueError(f"{folder}: {k} differs from {folders[0]}'s (another draft vocabulary?)")
+    mean = {}
+    for k, v0 in sd0.items():
+        if v0.is_floating_point():
+            acc = sum(w * sd[k].float() for w, (_, sd) in zip(weights, loaded))
+            mean[k] = acc.to(v0.dtype).contiguous()
+        else:
+            mean[k] = v0
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(mean, str(tmp))
+    (out / "config.json").write_text(json.dumps(cfg0, indent=2) + "\n")
+    record = {"inputs": [str(f) for f in folders], "weights": [round(w, 6) for w in weights],
+              "tensors": len(mean), "bytes": (out / "model.safetensors").stat().st_size}
+    (out / "average.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record

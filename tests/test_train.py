@@ -268,6 +268,29 @@ def test_export_reload_same_outputs(target, tmp_path):
     assert l1.item() == pytest.approx(l2.item(), abs=1e-6)
 
 
+def test_length_groups_cover_each_epoch_and_pad_less(target, tmp_path):
+    rng = np.random.default_rng(1)
+    seqs = [[1] + list(rng.integers(100, 400, int(rng.integers(5, 200)))) for _ in range(64)]
+    _write_shard(tmp_path / "data", seqs, [3] * 64)
+    data = TokenDataset(tmp_path / "data")
+    plain, grouped = (_trainer(target, data, tmp_path / f"g{g}", length_groups=g) for g in (1, 4))
+    epoch = {g: [tr.batch_indices(m) for m in range(16)] for g, tr in ((1, plain), (4, grouped))}  # 16 x 4 = 64
+    for batches in epoch.values():
+        assert sorted(i for b in batches for i in b) == list(range(64))  # every sequence once an epoch
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+    assert epoch[1] == [perm[4 * m:4 * m + 4] for m in range(16)]  # length_groups 1: plain random batches
+    for start in range(0, 16, 4):  # each run of 4 batches is the same 16 sequences, sorted by length
+        group = [i for b in epoch[4][start:start + 4] for i in b]
+        assert sorted(group) == sorted(perm[4 * start:4 * start + 16])
+        assert [len(data.seqs[i]) for i in group] == sorted(len(data.seqs[i]) for i in group)
+
+    def padded(batches):
+        return sum(4 * max(len(data.seqs[i]) for i in b) for b in batches)
+
+    assert padded(epoch[4]) < 0.8 * padded(epoch[1])
+    assert [grouped.batch_indices(m) for m in range(16, 32)] != epoch[4]  # the next epoch has new batches
+
+
 def test_resume_continues_the_same_run(target, tmp_path):
     data = _toy_data(tmp_path)
     full = _trainer(target, data, tmp_path / "a", steps=5)

@@ -60,6 +60,9 @@ class TrainConfig:
     save_every: int = 500
     log_every: int = 10
     max_len: int = 1024
+    # micro-batches per length group: each epoch's permutation is cut into runs of this many
+    # micro-batches and each run sorted by length, so a batch pads little (1: plain random batches)
+    length_groups: int = 32
     time_budget_s: float | None = None  # stop cleanly (checkpoint + export) past this
     deadline: float | None = None  # absolute time.time() at which to stop (set by the CLI)
     export_dtype: str = "bf16"
@@ -73,7 +76,7 @@ class TrainConfig:
 # Settings a resumed run may change on purpose (more --steps after new data reshapes the cosine),
 # but that should never change unnoticed: load_checkpoint lists the ones that differ.
 RESUME_SETTINGS = ("steps", "lr", "min_lr_ratio", "warmup", "batch_size", "grad_accum", "anchors_per_seq",
-                   "weight_decay", "gamma", "loss_weights", "dtype", "seed")
+                   "weight_decay", "gamma", "loss_weights", "dtype", "seed", "length_groups")
 
 
 class Trainer:
@@ -104,6 +107,7 @@ class Trainer:
         self.resume_changes: dict[str, tuple] = {}  # setting -> (checkpoint's, this run's), after a resume
         self.elapsed = 0.0
         self.history: list[dict] = []
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its batch order), built on first use
         self.amp = DTYPES[cfg.dtype] == torch.bfloat16
         # dynamic: the number of supervised slots changes every step
         self.loss_fn = torch.compile(dspark_loss, dynamic=True) if cfg.compile_loss else dspark_loss
@@ -123,15 +127,31 @@ class Trainer:
         t = (step - c.warmup) / max(1, c.steps - c.warmup)
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The epoch's seeded permutation of the data, each run of length_groups micro-batches (at
+        most a quarter of the data) sorted by sequence length: batches of like lengths waste less
+        of the target's forward on padding (random batches of 8 pad the shipped drafter's data by
+        a third)."""
+        if self._order[0] != epoch:
+            n = len(self.data)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)).tolist()
+            bs = self.cfg.batch_size
+            # at least 4 groups an epoch, so a small data set still gets new batches every epoch
+            group = max(bs, min(self.cfg.length_groups * bs, n // 4 // bs * bs))
+            if group > bs:
+                seqs = self.data.seqs
+                order = [i for s in range(0, n, group) for i in sorted(order[s:s + group], key=lambda i: len(seqs[i]))]
+            self._order = (epoch, order)
+        return self._order[1]
+
     def batch_indices(self, micro: int) -> list[int]:
-        """Micro-batch `micro` of an endless sequence of seeded epoch permutations."""
+        """Micro-batch `micro` of an endless sequence of epoch orders (epoch_order)."""
         n, bs = len(self.data), self.cfg.batch_size
         out = []
         pos = micro * bs
         while len(out) < bs:
             epoch, off = divmod(pos, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch))
-            take = perm[off:off + bs - len(out)].tolist()
+            take = self.epoch_order(epoch)[off:off + bs - len(out)]
             out += take
             pos += len(take)
         return out

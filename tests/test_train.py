@@ -676,3 +676,31 @@ def test_resume_refuses_another_drafter_shape(target, tmp_path):
     with pytest.raises(ValueError, match="block_size"):
         other.load_checkpoint()
     assert _trainer(target, data, tmp_path / "run", steps=2).load_checkpoint()
+
+
+def test_average_from_exports_the_mean_of_the_late_weights_and_resumes(target, tmp_path):
+    from safetensors.torch import load_file
+
+    data = _toy_data(tmp_path)
+    tr = _trainer(target, data, tmp_path / "run", steps=5, average_from=3)
+    seen = []
+    for _ in range(5):
+        tr.train_step()
+        seen.append(tr.drafter.fc.weight.detach().clone())
+    want = torch.stack(seen[2:]).mean(0)  # the weights after steps 3, 4 and 5
+    assert tr.average_n == 3
+    tr.export(tmp_path / "run" / "final")
+    assert torch.allclose(load_file(str(tmp_path / "run" / "final" / "model.safetensors"))["fc.weight"], want,
+                          atol=1e-6)
+    assert torch.equal(load_file(str(tmp_path / "run" / "final_last" / "model.safetensors"))["fc.weight"], seen[-1])
+    assert torch.equal(tr.drafter.fc.weight, seen[-1])  # training weights restored after the export
+    # a resume from a checkpoint taken at step 4 ends with the same mean
+    part = _trainer(target, data, tmp_path / "part", steps=5, average_from=3)
+    for _ in range(4):
+        part.train_step()
+    part.save_checkpoint()
+    resumed = _trainer(target, data, tmp_path / "part", steps=5, average_from=3)
+    assert resumed.load_checkpoint() and resumed.average_n == 2
+    resumed.train_step()
+    fc = resumed.names.index("fc.weight")
+    assert torch.allclose(resumed.average[fc], want, atol=1e-5)

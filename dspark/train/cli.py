@@ -73,6 +73,9 @@ def add_train_parsers(sub) -> None:
     o.add_argument("--length-groups", type=int, default=32,
                    help="batch sequences of like length: each epoch's shuffled order is sorted by length in "
                         "runs of this many batches (1: plain random batches)")
+    o.add_argument("--average-from", type=int, default=None, metavar="STEP",
+                   help="export the mean of the weights after every step from STEP on (the last weights "
+                        "go to <out>/final_last)")
     o.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (0: only when stopping)")
     o.add_argument("--log-every", type=int, default=10)
     o.add_argument("--seed", type=int, default=0)
@@ -141,7 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_at_least(args, num_prompts=1, skip_prompts=0, gen_batch_size=1, max_new_tokens=1, max_prompt_tokens=1,
                    shard_size=1, num_layers=1, block_size=1, markov_rank=1, intermediate_size=1, draft_vocab=1,
                    steps=1, batch_size=1, grad_accum=1, anchors_per_seq=1, warmup=0, max_len=2, save_every=0,
-                   log_every=1, length_groups=1)
+                   log_every=1, length_groups=1, average_from=1)
     weights = _loss_weights(args.loss_weights)
     if not args.gamma > 0:
         raise ValueError(f"--gamma must be > 0, got {args.gamma}")
@@ -193,6 +196,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       gamma=args.gamma, loss_weights=weights, dtype=dtype, device=device, seed=args.seed,
                       save_every=args.save_every,
                       log_every=args.log_every, max_len=args.max_len, length_groups=args.length_groups,
+                      average_from=args.average_from,
                       deadline=deadline,
                       export_dtype=args.export_dtype, progress=not args.no_progress,
                       cache_features=args.cache_features, feature_cache_dir=args.feature_cache,

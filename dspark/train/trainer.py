@@ -63,6 +63,9 @@ class TrainConfig:
     # micro-batches per length group: each epoch's permutation is cut into runs of this many
     # micro-batches and each run sorted by length, so a batch pads little (1: plain random batches)
     length_groups: int = 32
+    # from this step on, keep the uniform mean of the weights after every step and export it
+    # (the last weights go to <export>_last): a short run's mean beats its last weights
+    average_from: int | None = None
     time_budget_s: float | None = None  # stop cleanly (checkpoint + export) past this
     deadline: float | None = None  # absolute time.time() at which to stop (set by the CLI)
     export_dtype: str = "bf16"
@@ -76,7 +79,7 @@ class TrainConfig:
 # Settings a resumed run may change on purpose (more --steps after new data reshapes the cosine),
 # but that should never change unnoticed: load_checkpoint lists the ones that differ.
 RESUME_SETTINGS = ("steps", "lr", "min_lr_ratio", "warmup", "batch_size", "grad_accum", "anchors_per_seq",
-                   "weight_decay", "gamma", "loss_weights", "dtype", "seed", "length_groups")
+                   "weight_decay", "gamma", "loss_weights", "dtype", "seed", "length_groups", "average_from")
 
 
 class Trainer:
@@ -107,6 +110,8 @@ class Trainer:
         self.resume_changes: dict[str, tuple] = {}  # setting -> (checkpoint's, this run's), after a resume
         self.elapsed = 0.0
         self.history: list[dict] = []
+        self.average: list[torch.Tensor] | None = None  # running mean of self.params (average_from)
+        self.average_n = 0
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its batch order), built on first use
         self.amp = DTYPES[cfg.dtype] == torch.bfloat16
         # dynamic: the number of supervised slots changes every step
@@ -224,8 +229,17 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
+        if c.average_from is not None and self.step >= c.average_from:
+            self._update_average()
         agg.update(lr=lr, grad_norm=float(gnorm))
         return agg
+
+    @torch.no_grad()
+    def _update_average(self) -> None:
+        if self.average is None:
+            self.average, self.average_n = [p.detach().clone() for p in self.params], 0
+        self.average_n += 1
+        torch._foreach_lerp_(self.average, [p.detach() for p in self.params], 1.0 / self.average_n)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -246,7 +260,11 @@ class Trainer:
                 steps[name] = float(st["step"])
         if opt:
             save_file(opt, str(tmp / "optimizer.safetensors"))
+        if self.average is not None:
+            save_file({n: a.detach().cpu().contiguous() for n, a in zip(self.names, self.average)},
+                      str(tmp / "average.safetensors"))
         state = {"step": self.step, "elapsed_s": self.elapsed, "adam_steps": steps, "history": self.history,
+                 "average_n": self.average_n,
                  "config": {k: v for k, v in asdict(self.cfg).items() if k != "deadline"},
                  "drafter_config": asdict(self.drafter.config)}
         (tmp / "state.json").write_text(json.dumps(state) + "\n")
@@ -276,6 +294,9 @@ class Trainer:
                                          "exp_avg": opt[f"{name}.exp_avg"],
                                          "exp_avg_sq": opt[f"{name}.exp_avg_sq"]}
         self.step, self.elapsed, self.history = state["step"], state["elapsed_s"], state["history"]
+        if (ck / "average.safetensors").exists():
+            avg = load_file(str(ck / "average.safetensors"), device=str(self.dev))
+            self.average, self.average_n = [avg[n] for n in self.names], state["average_n"]
         saved_cfg, mine_cfg = state.get("config", {}), asdict(self.cfg)
         self.resume_changes = {k: (saved_cfg[k], mine_cfg[k]) for k in RESUME_SETTINGS
                                if k in saved_cfg and saved_cfg[k] != mine_cfg[k]}
@@ -330,9 +351,19 @@ class Trainer:
     def export(self, path: str | Path, extra: dict | None = None) -> dict:
         path = Path(path)
         dt = DTYPES[self.cfg.export_dtype]
-        save_drafter(self.drafter, path, dtype=dt)
+        if self.average is not None:  # the last weights beside the mean, which goes to `path`
+            save_drafter(self.drafter, path.with_name(path.name + "_last"), dtype=dt)
+            last = [p.detach().clone() for p in self.params]
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.average)
+            save_drafter(self.drafter, path, dtype=dt)
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, last)
+        else:
+            save_drafter(self.drafter, path, dtype=dt)
         size = (path / "model.safetensors").stat().st_size
-        stats = {"steps": self.step, "total_steps": self.cfg.steps, "train_wall_s": round(self.elapsed, 1),
+        stats = {"steps": self.step, "total_steps": self.cfg.steps, "averaged_steps": self.average_n,
+                 "train_wall_s": round(self.elapsed, 1),
                  "checkpoint_bytes": size, "export_dtype": self.cfg.export_dtype,
                  "final": self.history[-1] if self.history else None,
                  "drafter_config": self.drafter.config.to_hf(), "train_config":

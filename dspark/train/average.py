@@ -13,22 +13,10 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dspark.atomic import atomic_path
-
-
-def _read(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    cfg, files = folder / "config.json", sorted(folder.glob("*.safetensors"))
-    if not cfg.is_file() or not files:
-        raise ValueError(f"drafter folder {folder} needs config.json and model.safetensors")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            sd.update(load_file(str(f)))
-        except Exception as e:  # safetensors' own error type: a truncated or foreign file
-            raise ValueError(f"cannot read {f}: {e}") from None
-    return json.loads(cfg.read_text()), sd
+from dspark.models.drafters.checkpoint import read_drafter_folder
 
 
 def normalised(weights: list[float] | None, n: int) -> list[float]:
@@ -41,16 +29,15 @@ def normalised(weights: list[float] | None, n: int) -> list[float]:
     return [x / sum(weights) for x in weights]
 
 
-def parse_weights(text: str | None, n: int) -> list[float] | None:
-    """'1,3' -> [1.0, 3.0] (checked against n drafters); None stays None (equal weights)."""
+def parse_weights(text: str | None, n: int) -> list[float]:
+    """'1,3' -> [0.25, 0.75] for n = 2 drafters; None -> equal weights."""
     if text is None:
-        return None
+        return normalised(None, n)
     try:
         w = [float(x) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"--weights wants comma-separated numbers, got {text!r}") from None
-    normalised(w, n)
-    return w
+    return normalised(w, n)
 
 
 def average_drafters(paths: list[str | Path], out: str | Path, weights: list[float] | None = None) -> dict:
@@ -67,7 +54,7 @@ def average_drafters(paths: list[str | Path], out: str | Path, weights: list[flo
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty folder: pick a new one (nothing is overwritten)")
-    loaded = [_read(f) for f in folders]
+    loaded = [read_drafter_folder(f) for f in folders]
     cfg0, sd0 = loaded[0]
     for folder, (cfg, sd) in zip(folders[1:], loaded[1:]):
         diff = sorted(k for k in set(cfg) | set(cfg0) if cfg.get(k) != cfg0.get(k))

@@ -194,10 +194,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       anchors_per_seq=args.anchors_per_seq, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
                       warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       gamma=args.gamma, loss_weights=weights, dtype=dtype, device=device, seed=args.seed,
-                      save_every=args.save_every,
-                      log_every=args.log_every, max_len=args.max_len, length_groups=args.length_groups,
-                      average_from=args.average_from,
-                      deadline=deadline,
+                      save_every=args.save_every, log_every=args.log_every, max_len=args.max_len,
+                      length_groups=args.length_groups, average_from=args.average_from, deadline=deadline,
                       export_dtype=args.export_dtype, progress=not args.no_progress,
                       cache_features=args.cache_features, feature_cache_dir=args.feature_cache,
                       compile_loss=args.compile_loss)

@@ -39,17 +39,27 @@ def _to_module_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_drafter(path: str | Path, target, dtype: torch.dtype, device: str | torch.device) -> BlockDrafter:
-    """Load a drafter folder (config.json + *.safetensors) and attach it to the target model."""
+def read_drafter_folder(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as a dict, every *.safetensors tensor under its checkpoint name) of a drafter folder."""
     path = Path(path)
     cfg_file = path / "config.json"
     files = sorted(path.glob("*.safetensors"))
-    if not cfg_file.exists() or not files:
+    if not cfg_file.is_file() or not files:
         raise ValueError(f"drafter folder {path} needs config.json and model.safetensors")
-    dc = DrafterConfig.from_hf(json.loads(cfg_file.read_text()))
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error type: a truncated or foreign file
+            raise ValueError(f"cannot read {f}: {e}") from None
+    return json.loads(cfg_file.read_text()), sd
+
+
+def load_drafter(path: str | Path, target, dtype: torch.dtype, device: str | torch.device) -> BlockDrafter:
+    """Load a drafter folder (config.json + *.safetensors) and attach it to the target model."""
+    path = Path(path)
+    cfg, sd = read_drafter_folder(path)
+    dc = DrafterConfig.from_hf(cfg)
     sd = _to_module_names(sd)
     if "fc.weight" not in sd:
         raise ValueError(f"{path} is not a DSpark/DFlash drafter (no fc.weight)")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # Past any vocabulary size top_k means "off"; beyond int64 it would fail inside a batched engine step
 # (taking the other requests in that step down with it), so it is refused up front.
 MAX_TOP_K = 2**31 - 1
+MAX_LOGPROBS = 20  # most alternatives a token's logprobs may list (vLLM's default max_logprobs)
 
 
 @dataclass
@@ -22,6 +23,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each output token's logprob and its k best alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +57,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {t!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
 
 @dataclass

@@ -55,7 +55,7 @@ INVALID = [
     (C, {"prompt": PROMPT, "stop": 5}, "stop"), (C, {"prompt": PROMPT, "stream": "yes"}, "stream"),
     (C, {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
     (C, {"prompt": PROMPT, "max_tokens": 100_000}, "max_tokens"), (C, {"prompt": "word " * 9000}, None),
-    (C, {"prompt": [10**9]}, None), (C, {"prompt": ""}, None), (C, {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    (C, {"prompt": [10**9]}, None), (C, {"prompt": ""}, None), (C, {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
     (C, {"prompt": PROMPT, "speculation": {"enabled": "no"}}, "speculation.enabled"),
     (C, {"prompt": PROMPT, "speculation": {"block_size": 0}}, "speculation.block_size"),
     (CHAT, {"messages": []}, "messages"), (CHAT, {"messages": "hi"}, "messages"),
@@ -69,8 +69,12 @@ INVALID = [
     # past int64 top_k used to fail inside the batched step, failing every request in it (500)
     (C, {"prompt": PROMPT, "top_k": 2**63}, "top_k"), (CHAT, {"messages": MSGS, "top_k": 2**31}, "top_k"),
     (CHAT, {"messages": MSGS, "add_generation_prompt": False}, "add_generation_prompt"),
-    # 0 == False in Python, yet logprobs: 0 asks for the chosen token's logprob: not the "off" value
-    (C, {"prompt": PROMPT, "logprobs": 0}, "logprobs"), (C, {"prompt": PROMPT, "best_of": True}, "best_of"),
+    # completions take logprobs as a count, chat as a flag (with top_logprobs for the count)
+    (C, {"prompt": PROMPT, "logprobs": True}, "logprobs"), (CHAT, {"messages": MSGS, "logprobs": 1}, "logprobs"),
+    (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"), (C, {"prompt": PROMPT, "top_logprobs": 2},
+                                                                    "top_logprobs"),
+    (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (C, {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"), (C, {"prompt": PROMPT, "best_of": True}, "best_of"),
     (C, {"prompt": PROMPT, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     (CHAT, {"messages": MSGS, "tool_choice": "required"}, "tool_choice"),
     (C, {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}},

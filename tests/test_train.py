@@ -16,7 +16,8 @@ import torch
 from safetensors.numpy import save_file
 
 from dspark.models.drafters.checkpoint import load_drafter
-from dspark.train.data import GenSettings, TokenDataset, generate_dataset, read_prompts
+from dspark.train.data import GenSettings, generate_dataset, read_prompts
+from dspark.train.dataset import TokenDataset
 from dspark.train.drafter_init import default_layer_ids, frequent_tokens, load_target, make_drafter_config, new_drafter
 from dspark.train.features import block_mask, drafter_blocks, sample_anchors, target_features, valid_slots
 from dspark.train.loss import batch_loss, decay_weights, dspark_loss, target_c_star
@@ -274,7 +275,7 @@ def test_length_groups_cover_each_epoch_and_pad_less(target, tmp_path):
     _write_shard(tmp_path / "data", seqs, [3] * 64)
     data = TokenDataset(tmp_path / "data")
     plain, grouped = (_trainer(target, data, tmp_path / f"g{g}", length_groups=g) for g in (1, 4))
-    epoch = {g: [tr.batch_indices(m) for m in range(16)] for g, tr in ((1, plain), (4, grouped))}  # 16 x 4 = 64
+    epoch = {g: [tr.order.batch(m) for m in range(16)] for g, tr in ((1, plain), (4, grouped))}  # 16 x 4 = 64
     for batches in epoch.values():
         assert sorted(i for b in batches for i in b) == list(range(64))  # every sequence once an epoch
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
@@ -288,7 +289,7 @@ def test_length_groups_cover_each_epoch_and_pad_less(target, tmp_path):
         return sum(4 * max(len(data.seqs[i]) for i in b) for b in batches)
 
     assert padded(epoch[4]) < 0.8 * padded(epoch[1])
-    assert [grouped.batch_indices(m) for m in range(16, 32)] != epoch[4]  # the next epoch has new batches
+    assert [grouped.order.batch(m) for m in range(16, 32)] != epoch[4]  # the next epoch has new batches
 
 
 def test_resume_continues_the_same_run(target, tmp_path):

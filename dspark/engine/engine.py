@@ -20,9 +20,11 @@ import torch
 
 from dspark.config import EngineConfig, SamplingParams
 from dspark.engine.attention import make_backend
+from dspark.engine.batch_planner import BatchPlanner
 from dspark.engine.cuda_graphs import SCRATCH_TOKENS, install_graphs
 from dspark.engine.detokenizer import decode_new_text, find_stop
 from dspark.engine.kv_cache import KVCache, PagePool
+from dspark.engine.logprobs import attach_logprobs
 from dspark.engine.model_runner import ModelRunner
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.spec import SpecRunner
@@ -71,12 +73,10 @@ class Engine:
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer":
             self.enable_graphs(capture=True)
         self.spec.calibrate()
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.planner = BatchPlanner(config, self.pool, self.spec)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # for requests without their own seed
-        self.num_preemptions = 0
         self.draft_time = 0.0  # wall seconds spent in the drafter's proposals (bench: draft_share)
         self.spec_stats = SpecStats()  # engine-wide totals
         self._finished_pending: list[Sequence] = []
@@ -125,7 +125,7 @@ class Engine:
                        generator=gen, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        spec_enabled=spec, block_size=block_size)
         self.seqs[request_id] = seq
-        self.waiting.append(seq)
+        self.planner.waiting.append(seq)
         return seq
 
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
@@ -155,10 +155,22 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def waiting(self) -> list[Sequence]:
+        return self.planner.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.planner.running
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.planner.num_preemptions
+
     # ---------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """Run one forward over everything schedulable; return outputs of touched requests."""
-        decode, prefill = self._schedule()
+        decode, prefill = self.planner.plan()
         if not decode and not prefill:
             return self._drain_finished([])
         t0 = time.perf_counter()
@@ -179,98 +191,17 @@ class Engine:
         result = self.runner.forward(items, rows, capture=self.spec.capture_layers, mask=mask,
                                      custom_masks=masks, positions=positions)
         accept(works, result.logits, self.spec)
+        attach_logprobs(works, result.logits)
         touched = self._commit(works, result)
         if not prefill:  # the acceptance read the logits, so the pass has finished on any device
             self.spec.observe_step(len(rows), time.perf_counter() - t0 - t_draft)
         return self._drain_finished(touched)
 
-    def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        decode: list[Sequence] = []
-        preempted = False
-        for seq in list(self.running):
-            if seq.in_prefill or seq not in self.running:
-                continue
-            # Drafts only use pages that are free: when they do not fit, this step decodes plainly
-            # (the same tokens), and preemption only ever makes room for a plain step. Otherwise a
-            # request would give up its pages for draft slots and be recomputed every step.
-            seq.plain_step = False
-            need = seq.num_cached + self.spec.max_tokens_for(seq)
-            if not self.pool.can_reserve(seq.seq_id, need):
-                seq.plain_step = True
-                need = seq.num_cached + 1
-            while not self.pool.can_reserve(seq.seq_id, need):
-                victim = self._pick_victim(exclude=seq)
-                if victim is None:
-                    break
-                self._preempt(victim)
-                preempted = True
-                if victim in decode:
-                    decode.remove(victim)
-            if not self.pool.can_reserve(seq.seq_id, need):
-                self._preempt(seq)
-                preempted = True
-                continue
-            self.pool.reserve(seq.seq_id, need)
-            decode.append(seq)
-            budget -= need - seq.num_cached
-        prefill: list[tuple[Sequence, int]] = []
-        # Prefill leaves free the pages the decoding requests need to draft again next step: a chunk
-        # that took them would switch their drafting off, and then be preempted (it is the newest)
-        # and recomputed, step after step. vLLM keeps lookahead slots free before admitting likewise.
-        # requests mid-prefill first, then new arrivals, while tokens and pages last
-        candidates = [s for s in self.running if s.in_prefill] + list(self.waiting)
-        keep_free = sum(self.pool.pages_needed(s.seq_id, s.num_cached + 2 * self.spec.max_tokens_for(s))
-                        for s in decode) if candidates else 0  # most steps have nothing to prefill
-        for seq in candidates:
-            if budget <= 0:
-                break
-            if seq.status is Status.WAITING:
-                # as vLLM: no admissions in a step that preempted (a victim let in again at once
-                # would only be preempted again)
-                if len(self.running) >= cfg.max_num_seqs or preempted:
-                    break
-            n = min(budget, seq.prefill_target - seq.num_cached)
-            if not seq.output_ids and n == seq.prefill_target - seq.num_cached == 0:
-                continue
-            room = self.pool.capacity(seq.seq_id) - seq.num_cached - keep_free * self.pool.page_size
-            if seq.status is Status.WAITING and room <= seq.prefill_target - seq.num_cached:
-                break  # admitted only with room for its whole prompt and first token, as in vLLM
-            n = min(n, room)
-            if n <= 0:
-                break
-            if seq.status is Status.WAITING:
-                self.waiting.remove(seq)
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-            self.pool.reserve(seq.seq_id, seq.num_cached + n)
-            prefill.append((seq, n))
-            budget -= n
-        return decode, prefill
-
-    def _pick_victim(self, exclude: Sequence) -> Sequence | None:
-        """The newest running request admitted after `exclude`; None when `exclude` is the newest,
-        which then yields its own pages: first come, first served, as in vLLM."""
-        after = self.running[self.running.index(exclude) + 1:]
-        return after[-1] if after else None
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free a request's pages and queue it for recomputation from its tokens so far."""
-        self.pool.free(seq.seq_id)
-        seq.num_cached = 0
-        seq.plain_step = False
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.running.remove(seq)
-        seq.status = Status.WAITING
-        self.waiting.insert(0, seq)
-
     def _commit(self, works: list[Work], result) -> list[Sequence]:
         """Append accepted tokens, keep the accepted positions' K/V, feed the drafter's context."""
         for w in works:
             if w.new_tokens:
-                committed = self._append_tokens(w.seq, w.new_tokens)
+                committed = self._append_tokens(w.seq, w.new_tokens, w.logprobs)
                 if w.kind == "decode":
                     a = len(w.kept_rows) - 1
                     for st in (w.seq.stats, self.spec_stats):
@@ -298,14 +229,16 @@ class Engine:
         kv.k[:, dst] = kv.k[:, src]
         kv.v[:, dst] = kv.v[:, src]
 
-    def _append_tokens(self, seq: Sequence, new: list[int]) -> int:
-        """Commit sampled tokens, stopping exactly where plain decoding would."""
+    def _append_tokens(self, seq: Sequence, new: list[int], logprobs: list | None = None) -> int:
+        """Commit sampled tokens (and their logprobs), stopping exactly where plain decoding would."""
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         p = seq.params
         count, stop_token = 0, False
         for tok in new:
             seq.output_ids.append(tok)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs[count])
             count += 1
             if tok in seq.eos_ids or tok in p.stop_token_ids:
                 seq.finish_reason, stop_token = "stop", True
@@ -340,10 +273,7 @@ class Engine:
         seq.status = Status.FINISHED
         seq.finish_time = time.perf_counter()
         self.pool.free(seq.seq_id)
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        self.planner.drop(seq)
         self._finished_pending.append(seq)
 
     def _drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:

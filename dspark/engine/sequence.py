@@ -68,6 +68,7 @@ class Sequence:
     generator: torch.Generator | None
     eos_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # logprobs.TokenLogprob per output token, when asked
     num_cached: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -124,7 +125,8 @@ class Sequence:
             text=self.text, new_token_ids=new_ids, new_text=new_text, finished=self.is_finished,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason, stats=self.stats, ttft=ttft,
             decode_time=end - self.first_token_time if self.first_token_time else None,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions,
+            logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None)
 
 
 @dataclass
@@ -144,6 +146,7 @@ class RequestOutput:
     ttft: float | None = None  # seconds from arrival to the first token
     decode_time: float | None = None  # seconds from the first token to the last
     num_preemptions: int = 0
+    logprobs: list | None = None  # logprobs.TokenLogprob per token of token_ids, when the request asked
 
     @property
     def decode_tokens_per_s(self) -> float:

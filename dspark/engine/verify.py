@@ -26,6 +26,7 @@ class Work:
     first_row: int = 0
     kept_rows: list[int] = field(default_factory=list)  # offsets into tokens that stay cached
     new_tokens: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # logprobs.TokenLogprob per new token, when the request asks
 
     @property
     def num_verified(self) -> int:

@@ -1,19 +1,21 @@
 """OpenAI request models (as vLLM accepts them), response builders, and the API error type.
 
 Requests are validated strictly: a wrong JSON type is an error, not coerced. Unknown fields
-are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (logprobs,
+are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (echo,
 penalties, tools, ...) are rejected when set to anything but their default.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from dspark.config import MAX_TOP_K, SamplingParams
+from dspark.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 
-# OpenAI fields we do not implement, with the values that mean "off"
+# OpenAI fields we do not implement, with the values that mean "off" (a request model that
+# declares one of them implements it: logprobs for both, top_logprobs for chat)
 _UNSUPPORTED: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
@@ -102,9 +104,14 @@ class _Common(_Strict):
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=0 if self.top_k is None else self.top_k, max_tokens=max_tokens or 1, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs())
         params.validate()
         return params
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives to return per output token (0: only its own logprob); None: no logprobs."""
+        return None
 
 
 class CompletionRequest(_Common):
@@ -112,6 +119,10 @@ class CompletionRequest(_Common):
 
     prompt: Any
     max_tokens: int | None = Field(16, ge=1)  # vLLM's default; null: up to the context
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -154,6 +165,18 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("logprobs must be true when top_logprobs is set")
+        return v
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse_request(cls: type[_Common], body: Any) -> _Common:
@@ -161,7 +184,7 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     for key, off in _UNSUPPORTED.items():
-        if key in body and not _is_off(body[key], off):
+        if key in body and key not in cls.model_fields and not _is_off(body[key], off):
             raise APIError(400, f"{key} is not supported by this server", param=key)
     opts = body.get("stream_options")
     if isinstance(opts, dict) and not _is_off(opts.get("continuous_usage_stats"), (None, False)):
@@ -187,13 +210,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _lp(x: float) -> float:
+    return max(x, -9999.0)  # as vLLM: JSON has no -inf
+
+
+def completion_logprobs(entries: list, token_ids: list[int], decode: Callable[[int], str],
+                        text_offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object for these tokens (logprobs.TokenLogprob each):
+    token strings, their logprobs, the top alternatives (with the token itself, as vLLM does)
+    and each token's character offset into the completion text (from text_offset on)."""
+    tokens = [decode(t) for t in token_ids]
+    offsets = []
+    for s in tokens:
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{decode(t): _lp(v) for t, v in e.top} | {s: _lp(e.logprob)}
+                             for e, s in zip(entries, tokens)],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list, token_ids: list[int], decode: Callable[[int], str]) -> dict:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def one(t: int, v: float) -> dict:
+        s = decode(t)
+        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [one(t, e.logprob) | {"top_logprobs": [one(a, v) for a, v in e.top]}
+                        for e, t in zip(entries, token_ids)]}
+
+
 def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
                     usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False,
-                    stop_reason: int | str | None = None) -> dict:
+                    stop_reason: int | str | None = None, logprobs: dict | None = None) -> dict:
     """A text_completion object, or one streamed chunk of it. stop_reason (vLLM's extension): the
     stop string or stop token id that ended the output, null for EOS and length."""
     body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": 0, "text": text, "logprobs": None,
+                            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish_reason, "stop_reason": stop_reason}]}
     if not chunk or usage_ is not None:
         body["usage"] = usage_
@@ -204,7 +257,7 @@ def completion_body(rid: str, created: int, model: str, text: str, finish_reason
 
 def chat_body(rid: str, created: int, model: str, content: str | None, finish_reason: str | None,
               usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False,
-              role: bool = False, stop_reason: int | str | None = None) -> dict:
+              role: bool = False, stop_reason: int | str | None = None, logprobs: dict | None = None) -> dict:
     """A chat.completion object, or one chat.completion.chunk (a delta) when chunk."""
     if chunk:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -212,10 +265,10 @@ def chat_body(rid: str, created: int, model: str, content: str | None, finish_re
             delta["content"] = content
         elif role:
             delta["content"] = ""
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                   "stop_reason": stop_reason}
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
                   "finish_reason": finish_reason, "stop_reason": stop_reason}
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
                             "created": created, "model": model, "choices": [choice]}

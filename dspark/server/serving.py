@@ -22,7 +22,9 @@ from dspark.server.protocol import (
     CompletionRequest,
     SpeculationOptions,
     chat_body,
+    chat_logprobs,
     completion_body,
+    completion_logprobs,
     parse_request,
     usage,
     usage_chunk,
@@ -56,6 +58,8 @@ class _Generation:
         self.created = int(time.time())
         self.model = ""
         self.spec = SpeculationOptions()
+        self.logprobs_sent = 0  # output tokens whose logprobs a stream has sent
+        self.text_offset = 0  # completion characters those tokens span (the next text_offset)
 
     async def run(self) -> Response:
         st = self.state
@@ -94,7 +98,8 @@ class _Generation:
         u = usage(len(out.prompt_token_ids), len(out.token_ids))
         build = chat_body if self.chat else completion_body
         return JSONResponse(build(self.rid, self.created, self.model, out.text, out.finish_reason, u,
-                                  self._speculation(out), stop_reason=out.stop_reason))
+                                  self._speculation(out), stop_reason=out.stop_reason,
+                                  logprobs=self._logprobs(out)))
 
     def _check_block_size(self) -> None:
         spec = self.state.engine.spec
@@ -128,13 +133,26 @@ class _Generation:
             raise APIError(503, "the request was aborted")
         return out
 
+    def _logprobs(self, out: RequestOutput) -> dict | None:
+        """The logprobs of the output tokens not yet sent (all of them outside a stream)."""
+        if out.logprobs is None:
+            return None
+        decode = self.state.engine.tokenizer.decode
+        start, self.logprobs_sent = self.logprobs_sent, len(out.logprobs)
+        entries, ids = out.logprobs[start:], out.token_ids[start:len(out.logprobs)]
+        if self.chat:
+            return chat_logprobs(entries, ids, lambda t: decode([t]))
+        body = completion_logprobs(entries, ids, lambda t: decode([t]), self.text_offset)
+        self.text_offset += sum(len(s) for s in body["tokens"])
+        return body
+
     def _chunk(self, out: RequestOutput) -> dict:
         finish = out.finish_reason if out.finished else None
         spec = self._speculation(out) if out.finished else None
         stop = out.stop_reason if out.finished else None
         build = chat_body if self.chat else completion_body
         return build(self.rid, self.created, self.model, out.new_text, finish, speculation=spec, chunk=True,
-                     stop_reason=stop)
+                     stop_reason=stop, logprobs=self._logprobs(out))
 
     async def _stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         """SSE chunks; a client that disconnects cancels this generator, which aborts the request."""

@@ -137,7 +137,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.models.drafters.checkpoint import load_drafter
-    from dspark.train.data import GenSettings, TokenDataset, generate_dataset
+    from dspark.train.data import GenSettings, generate_dataset
+    from dspark.train.dataset import TokenDataset
     from dspark.train.drafter_init import DTYPES, checkpoint_bytes, load_target
     from dspark.train.trainer import TrainConfig, Trainer
 

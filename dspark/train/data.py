@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from dspark.atomic import atomic_path
 from dspark.prompt_file import prompt_rows
@@ -271,44 +271,3 @@ def _check_same_layout(meta_path: Path, meta: dict, writing: bool) -> None:
         if key in old and old[key] != meta[key]:
             raise ValueError(f"{meta_path.parent} was written with {key}={old[key]!r}, not "
                              f"{meta[key]!r}: use the same value or another data folder")
-
-
-class TokenDataset:
-    """All shards of a data folder in memory (int32), with padded batch assembly."""
-
-    def __init__(self, data_dir: str | Path, max_len: int | None = None):
-        self.seqs: list[np.ndarray] = []
-        self.prompt_lens: list[int] = []
-        files = sorted(Path(data_dir).glob("shard_*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no shard_*.safetensors in {data_dir}")
-        for f in files:
-            d = load_file(str(f))
-            off = d["offsets"]
-            for j in range(len(d["prompt_lens"])):
-                seq = d["tokens"][off[j]:off[j + 1]]
-                p = int(d["prompt_lens"][j])
-                if max_len:
-                    seq = seq[:max_len]
-                if len(seq) - p >= 2:  # at least one anchor with a next token
-                    self.seqs.append(seq)
-                    self.prompt_lens.append(p)
-        if not self.seqs:
-            raise ValueError(f"no usable sequences in {data_dir}")
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def num_tokens(self) -> int:
-        return int(sum(len(s) for s in self.seqs))
-
-    def batch(self, idx: list[int], pad_id: int, device) -> dict:
-        lens = [len(self.seqs[i]) for i in idx]
-        T = max(lens)
-        ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
-        resp = torch.zeros(len(idx), T, dtype=torch.bool)
-        for r, i in enumerate(idx):
-            ids[r, :lens[r]] = torch.from_numpy(self.seqs[i].astype(np.int64))
-            resp[r, self.prompt_lens[i]:lens[r]] = True
-        return {"ids": ids.to(device), "resp": resp.to(device), "lengths": torch.tensor(lens, device=device),
-                "lens": lens, "prompt_lens": [self.prompt_lens[i] for i in idx]}

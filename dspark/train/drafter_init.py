@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from dspark.models.drafters.dspark import BlockDrafter, DrafterConfig
-from dspark.train.data import TokenDataset
+from dspark.train.dataset import TokenDataset
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 SMOL_MASK_TOKEN = "<empty_output>"  # id 16 in SmolLM2: a Jupyter-dataset marker chat never emits

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dspark.atomic import atomic_path
+from dspark.train.features import target_features
 
 _PARTS = ("feats", "final", "lse")
 
@@ -161,3 +162,27 @@ class FeatureCache:
     def _save_done(self) -> None:
         with atomic_path(self.folder / "done.npy", suffix=".npy") as tmp:
             np.save(tmp, self.done)
+
+
+@torch.no_grad()
+def cached_features(cache: FeatureCache, target, layers, idx: list[int], b: dict,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(feats, final hidden, log-normalizers) of a padded batch (dataset.TokenDataset.batch of
+    the sequences `idx`), running the target only on the sequences the cache does not hold yet."""
+    todo = [r for r, i in enumerate(idx) if not cache.has(i)]
+    if todo:
+        n = max(b["lens"][r] for r in todo)
+        feats, final = target_features(target, b["ids"][todo, :n], layers)
+        lse = torch.cat([torch.logsumexp(target.lm_head(x).float(), -1) for x in final.split(4)])
+        for j, r in enumerate(todo):
+            L = b["lens"][r]
+            cache.put(idx[r], feats[j, :L], final[j, :L], lse[j, :L])
+    T = b["ids"].shape[1]
+    cached = [cache.get(i) for i in idx]
+    out = []
+    for part, dt in zip(range(3), (torch.bfloat16, torch.bfloat16, torch.float32)):
+        x = torch.zeros(len(idx), T, *cached[0][part].shape[1:], dtype=dt)
+        for r, c in enumerate(cached):
+            x[r, :len(c[part])] = c[part]
+        out.append(x.to(device, torch.float32))
+    return tuple(out)

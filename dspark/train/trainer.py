@@ -1,10 +1,9 @@
 """The drafter trainer: frozen target -> features on the fly -> DSpark loss -> AdamW.
 
 Warmup + cosine learning rate, gradient accumulation, fp32 or bf16 autocast, CPU or CUDA.
-Batches and anchors are drawn from generators seeded by (seed, step), so a resumed run takes
-exactly the batches an uninterrupted one would. Checkpoints (`<out>/ckpt/`) hold the drafter
-(safetensors), AdamW moments (safetensors) and `state.json` (step, history, wall time): no
-pickle anywhere. The export is `save_drafter` in the DSpark layout without the target's
+Batches (dataset.BatchOrder) and anchors are drawn from generators seeded by (seed, step), so a
+resumed run takes exactly the batches an uninterrupted one would; checkpoints are
+run_checkpoint.py's folders. The export is `save_drafter` in the DSpark layout without the target's
 embed_tokens / lm_head, which the drafter shares.
 """
 
@@ -12,22 +11,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from dspark.models.drafters.checkpoint import save_drafter
 from dspark.models.drafters.dspark import BlockDrafter
-from dspark.train.data import TokenDataset
+from dspark.train.dataset import BatchOrder, TokenDataset
 from dspark.train.drafter_init import DTYPES
-from dspark.train.feature_cache import FeatureCache, target_key
+from dspark.train.feature_cache import FeatureCache, cached_features, target_key
 from dspark.train.features import sample_anchors, target_features
 from dspark.train.loss import LOSS_WEIGHTS, batch_loss, dspark_loss, expected_tau
+from dspark.train.run_checkpoint import RunCheckpoint, read_checkpoint, write_checkpoint
 
 SLOT_COUNTS = ("slot_hits", "slot_rows")  # [block] tensors a step sums over its micro-batches
 
@@ -112,7 +109,7 @@ class Trainer:
         self.history: list[dict] = []
         self.average: list[torch.Tensor] | None = None  # running mean of self.params (average_from)
         self.average_n = 0
-        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its batch order), built on first use
+        self.order = BatchOrder([len(s) for s in data.seqs], cfg.batch_size, cfg.seed, cfg.length_groups)
         self.amp = DTYPES[cfg.dtype] == torch.bfloat16
         # dynamic: the number of supervised slots changes every step
         self.loss_fn = torch.compile(dspark_loss, dynamic=True) if cfg.compile_loss else dspark_loss
@@ -132,38 +129,9 @@ class Trainer:
         t = (step - c.warmup) / max(1, c.steps - c.warmup)
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
-    def epoch_order(self, epoch: int) -> list[int]:
-        """The epoch's seeded permutation of the data, each run of length_groups micro-batches (at
-        most a quarter of the data) sorted by sequence length: batches of like lengths waste less
-        of the target's forward on padding (random batches of 8 pad the shipped drafter's data by
-        a third)."""
-        if self._order[0] != epoch:
-            n = len(self.data)
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)).tolist()
-            bs = self.cfg.batch_size
-            # at least 4 groups an epoch, so a small data set still gets new batches every epoch
-            group = max(bs, min(self.cfg.length_groups * bs, n // 4 // bs * bs))
-            if group > bs:
-                seqs = self.data.seqs
-                order = [i for s in range(0, n, group) for i in sorted(order[s:s + group], key=lambda i: len(seqs[i]))]
-            self._order = (epoch, order)
-        return self._order[1]
-
-    def batch_indices(self, micro: int) -> list[int]:
-        """Micro-batch `micro` of an endless sequence of epoch orders (epoch_order)."""
-        n, bs = len(self.data), self.cfg.batch_size
-        out = []
-        pos = micro * bs
-        while len(out) < bs:
-            epoch, off = divmod(pos, n)
-            take = self.epoch_order(epoch)[off:off + bs - len(out)]
-            out += take
-            pos += len(take)
-        return out
-
     def micro_loss(self, micro: int) -> tuple[torch.Tensor, dict]:
         c = self.cfg
-        idx = self.batch_indices(micro)
+        idx = self.order.batch(micro)
         b = self.data.batch(idx, self.pad_id, self.dev)
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + micro)
         anchors, ok = sample_anchors(b["lens"], b["prompt_lens"], c.anchors_per_seq,
@@ -175,31 +143,14 @@ class Trainer:
                               b["resp"], anchors, ok, gamma=c.gamma, final_lse=lse, loss_fn=self.loss_fn,
                               weights=tuple(c.loss_weights))
 
-    @torch.no_grad()
     def features(self, idx: list[int], b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(feats, final hidden, log-normalizers or None) of a padded batch. With a feature cache each
-        sequence's are computed once: bf16 features and the fp32 log-normalizer of the target's
-        full-vocabulary softmax (feature_cache.py)."""
+        """(feats, final hidden, log-normalizers or None) of a padded batch, through the feature
+        cache when the run keeps one."""
         layers = self.drafter.config.target_layer_ids
         if self.cache is None:
-            return (*target_features(self.target, b["ids"], layers), None)
-        todo = [r for r, i in enumerate(idx) if not self.cache.has(i)]
-        if todo:
-            n = max(b["lens"][r] for r in todo)
-            feats, final = target_features(self.target, b["ids"][todo, :n], layers)
-            lse = torch.cat([torch.logsumexp(self.target.lm_head(x).float(), -1) for x in final.split(4)])
-            for j, r in enumerate(todo):
-                L = b["lens"][r]
-                self.cache.put(idx[r], feats[j, :L], final[j, :L], lse[j, :L])
-        T = b["ids"].shape[1]
-        cached = [self.cache.get(i) for i in idx]
-        out = []
-        for part, dt in zip(range(3), (torch.bfloat16, torch.bfloat16, torch.float32)):
-            x = torch.zeros(len(idx), T, *cached[0][part].shape[1:], dtype=dt)
-            for r, c in enumerate(cached):
-                x[r, :len(c[part])] = c[part]
-            out.append(x.to(self.dev, torch.float32))
-        return tuple(out)
+            with torch.no_grad():
+                return (*target_features(self.target, b["ids"], layers), None)
+        return cached_features(self.cache, self.target, layers, idx, b, self.dev)
 
     def train_step(self) -> dict:
         """One optimizer step (grad_accum micro-batches); returns the averaged loss parts."""
@@ -245,58 +196,41 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         if self.cache is not None:
             self.cache.flush()
-        ck = self.out / "ckpt"
-        tmp = self.out / "ckpt.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        sd = {k: v.detach().float().contiguous().cpu() for k, v in self.drafter.state_dict().items()}
-        save_file(sd, str(tmp / "drafter.safetensors"))
-        opt, steps = {}, {}
+        ck = RunCheckpoint(state={"step": self.step, "elapsed_s": self.elapsed, "history": self.history,
+                                  "average_n": self.average_n, "adam_steps": {},
+                                  "config": {k: v for k, v in asdict(self.cfg).items() if k != "deadline"},
+                                  "drafter_config": asdict(self.drafter.config)},
+                           drafter=self.drafter.state_dict())
         for name, p in zip(self.names, self.params):
-            st = self.opt.state.get(p)
-            if st:
-                opt[f"{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
-                opt[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
-                steps[name] = float(st["step"])
-        if opt:
-            save_file(opt, str(tmp / "optimizer.safetensors"))
+            if st := self.opt.state.get(p):
+                ck.exp_avg[name], ck.exp_avg_sq[name] = st["exp_avg"], st["exp_avg_sq"]
+                ck.state["adam_steps"][name] = float(st["step"])
         if self.average is not None:
-            save_file({n: a.detach().cpu().contiguous() for n, a in zip(self.names, self.average)},
-                      str(tmp / "average.safetensors"))
-        state = {"step": self.step, "elapsed_s": self.elapsed, "adam_steps": steps, "history": self.history,
-                 "average_n": self.average_n,
-                 "config": {k: v for k, v in asdict(self.cfg).items() if k != "deadline"},
-                 "drafter_config": asdict(self.drafter.config)}
-        (tmp / "state.json").write_text(json.dumps(state) + "\n")
-        if ck.exists():
-            shutil.rmtree(ck)
-        os.replace(tmp, ck)
-        return ck
+            ck.average = dict(zip(self.names, self.average))
+        return write_checkpoint(self.out / "ckpt", ck)
 
     def load_checkpoint(self) -> bool:
-        ck = self.out / "ckpt"
-        if not (ck / "state.json").exists():
+        """Resume from `<out>/ckpt` if it exists (False when it does not); refuses a checkpoint of
+        another drafter shape and records the settings this run changes (resume_changes)."""
+        folder = self.out / "ckpt"
+        ck = read_checkpoint(folder, str(self.dev))
+        if ck is None:
             return False
-        state = json.loads((ck / "state.json").read_text())
+        state = ck.state
         mine = json.loads(json.dumps(asdict(self.drafter.config)))  # tuples as lists, as stored
         saved = state.get("drafter_config", mine)
         if saved != mine:
             diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-            raise ValueError(f"{ck} holds a drafter with other {', '.join(diff)} than this run's; resume with "
+            raise ValueError(f"{folder} holds a drafter with other {', '.join(diff)} than this run's; resume with "
                              "the same drafter flags or use another --out")
-        sd = load_file(str(ck / "drafter.safetensors"))
-        self.drafter.load_state_dict({k: v.to(self.dev) for k, v in sd.items()})
-        if (ck / "optimizer.safetensors").exists():
-            opt = load_file(str(ck / "optimizer.safetensors"), device=str(self.dev))
-            for name, p in zip(self.names, self.params):
-                if f"{name}.exp_avg" in opt:
-                    self.opt.state[p] = {"step": torch.tensor(state["adam_steps"][name]),
-                                         "exp_avg": opt[f"{name}.exp_avg"],
-                                         "exp_avg_sq": opt[f"{name}.exp_avg_sq"]}
+        self.drafter.load_state_dict(ck.drafter)
+        for name, p in zip(self.names, self.params):
+            if name in ck.exp_avg:
+                self.opt.state[p] = {"step": torch.tensor(state["adam_steps"][name]),
+                                     "exp_avg": ck.exp_avg[name], "exp_avg_sq": ck.exp_avg_sq[name]}
         self.step, self.elapsed, self.history = state["step"], state["elapsed_s"], state["history"]
-        if (ck / "average.safetensors").exists():
-            avg = load_file(str(ck / "average.safetensors"), device=str(self.dev))
-            self.average, self.average_n = [avg[n] for n in self.names], state["average_n"]
+        if ck.average is not None:
+            self.average, self.average_n = [ck.average[n] for n in self.names], state["average_n"]
         saved_cfg, mine_cfg = state.get("config", {}), asdict(self.cfg)
         self.resume_changes = {k: (saved_cfg[k], mine_cfg[k]) for k in RESUME_SETTINGS
                                if k in saved_cfg and saved_cfg[k] != mine_cfg[k]}

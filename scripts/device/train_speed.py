@@ -21,7 +21,7 @@ import time
 import torch
 
 from dspark.bench.roofline import random_model
-from dspark.train.data import TokenDataset
+from dspark.train.dataset import TokenDataset
 from dspark.train.drafter_init import frequent_tokens, make_drafter_config, new_drafter
 from dspark.train.trainer import TrainConfig, Trainer
 

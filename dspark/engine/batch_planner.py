@@ -1,0 +1,115 @@
+"""Which requests run in the next step, and how many tokens each: continuous batching.
+
+Decoding requests come first, each reserving the pages for its anchor and its drafts; when the
+pool runs short, the newest request is preempted (its pages freed, recomputed later), first
+come, first served as in vLLM. Prefill chunks fill the rest of the token budget, leaving free
+the pages the decoding requests need to draft again next step.
+"""
+
+from __future__ import annotations
+
+from dspark.config import EngineConfig
+from dspark.engine.kv_cache import PagePool
+from dspark.engine.sequence import Sequence, Status
+
+
+class BatchPlanner:
+    """Owns the waiting and running queues and plans each step under a token and page budget."""
+
+    def __init__(self, config: EngineConfig, pool: PagePool, spec):
+        self.config, self.pool, self.spec = config, pool, spec
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget a finished or aborted request (its pages are the caller's to free)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def plan(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """(decoding requests, [(prefilling request, tokens this step)]), pages reserved."""
+        budget = self.config.max_num_batched_tokens
+        decode: list[Sequence] = []
+        preempted = False
+        for seq in list(self.running):
+            if seq.in_prefill or seq not in self.running:
+                continue
+            # Drafts only use pages that are free: when they do not fit, this step decodes plainly
+            # (the same tokens), and preemption only ever makes room for a plain step. Otherwise a
+            # request would give up its pages for draft slots and be recomputed every step.
+            seq.plain_step = False
+            need = seq.num_cached + self.spec.max_tokens_for(seq)
+            if not self.pool.can_reserve(seq.seq_id, need):
+                seq.plain_step = True
+                need = seq.num_cached + 1
+            while not self.pool.can_reserve(seq.seq_id, need):
+                victim = self._pick_victim(exclude=seq)
+                if victim is None:
+                    break
+                self.preempt(victim)
+                preempted = True
+                if victim in decode:
+                    decode.remove(victim)
+            if not self.pool.can_reserve(seq.seq_id, need):
+                self.preempt(seq)
+                preempted = True
+                continue
+            self.pool.reserve(seq.seq_id, need)
+            decode.append(seq)
+            budget -= need - seq.num_cached
+        return decode, self._plan_prefill(decode, budget, preempted)
+
+    def _plan_prefill(self, decode: list[Sequence], budget: int, preempted: bool) -> list[tuple[Sequence, int]]:
+        prefill: list[tuple[Sequence, int]] = []
+        # Prefill leaves free the pages the decoding requests need to draft again next step: a chunk
+        # that took them would switch their drafting off, and then be preempted (it is the newest)
+        # and recomputed, step after step. vLLM keeps lookahead slots free before admitting likewise.
+        # requests mid-prefill first, then new arrivals, while tokens and pages last
+        candidates = [s for s in self.running if s.in_prefill] + list(self.waiting)
+        keep_free = sum(self.pool.pages_needed(s.seq_id, s.num_cached + 2 * self.spec.max_tokens_for(s))
+                        for s in decode) if candidates else 0  # most steps have nothing to prefill
+        for seq in candidates:
+            if budget <= 0:
+                break
+            if seq.status is Status.WAITING:
+                # as vLLM: no admissions in a step that preempted (a victim let in again at once
+                # would only be preempted again)
+                if len(self.running) >= self.config.max_num_seqs or preempted:
+                    break
+            n = min(budget, seq.prefill_target - seq.num_cached)
+            if not seq.output_ids and n == seq.prefill_target - seq.num_cached == 0:
+                continue
+            room = self.pool.capacity(seq.seq_id) - seq.num_cached - keep_free * self.pool.page_size
+            if seq.status is Status.WAITING and room <= seq.prefill_target - seq.num_cached:
+                break  # admitted only with room for its whole prompt and first token, as in vLLM
+            n = min(n, room)
+            if n <= 0:
+                break
+            if seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            self.pool.reserve(seq.seq_id, seq.num_cached + n)
+            prefill.append((seq, n))
+            budget -= n
+        return prefill
+
+    def _pick_victim(self, exclude: Sequence) -> Sequence | None:
+        """The newest running request admitted after `exclude`; None when `exclude` is the newest,
+        which then yields its own pages: first come, first served, as in vLLM."""
+        after = self.running[self.running.index(exclude) + 1:]
+        return after[-1] if after else None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a request's pages and queue it for recomputation from its tokens so far."""
+        self.pool.free(seq.seq_id)
+        seq.num_cached = 0
+        seq.plain_step = False
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.waiting.insert(0, seq)

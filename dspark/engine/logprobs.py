@@ -1,0 +1,57 @@
+"""Log-probabilities of the tokens a step commits, from the target logits of that step's pass.
+
+As vLLM's default (raw logprobs): the log-softmax of the target's unprocessed logits, before
+temperature, top-k or top-p. Every committed token was predicted by one verified row (a chain's
+row i predicts its token i, a tree's path node predicts its child), so speculation returns the
+same values plain decoding would: the rows are the same bits (tests/test_bf16_exact.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.engine.verify import Work
+
+
+@dataclass
+class TokenLogprob:
+    """One output token's log-probability and the `k` most likely tokens at its position."""
+
+    logprob: float
+    rank: int  # 1 for the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+
+
+def attach_logprobs(works: list[Work], logits: torch.Tensor | None) -> None:
+    """Fill `w.logprobs` (one TokenLogprob per new token) for every work whose request asks."""
+    picks: list[tuple[Work, list[int]]] = []
+    at = 0
+    for w in works:
+        n = len(w.logit_rows())
+        if n and w.new_tokens and w.seq.params.logprobs is not None:
+            # decode: kept_rows[i] is the row that predicted new token i; prefill: its one row
+            local = w.kept_rows[:len(w.new_tokens)] if w.kind == "decode" else [n - 1]
+            picks.append((w, [at + r for r in local]))
+        at += n
+    if not picks:
+        return
+    rows = torch.tensor([r for _, rs in picks for r in rs], device=logits.device)
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    toks = torch.tensor([t for w, _ in picks for t in w.new_tokens], device=logits.device)
+    chosen = lp.gather(1, toks[:, None])[:, 0]
+    ranks = (lp > chosen[:, None]).sum(-1) + 1
+    k = max(w.seq.params.logprobs for w, _ in picks)
+    if k:  # a stable sort: tied tokens (bf16 logits tie often) listed by id, the lowest first, as argmax picks
+        top_i = torch.sort(-lp, dim=-1, stable=True).indices[:, :k]
+        top_v = lp.gather(1, top_i)
+    else:
+        top_v, top_i = lp[:, :0], lp[:, :0].long()
+    chosen, ranks, top_v, top_i = chosen.tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist()
+    i = 0
+    for w, _ in picks:
+        kw = w.seq.params.logprobs
+        w.logprobs = [TokenLogprob(chosen[i + j], ranks[i + j], list(zip(top_i[i + j][:kw], top_v[i + j][:kw])))
+                      for j in range(len(w.new_tokens))]
+        i += len(w.new_tokens)

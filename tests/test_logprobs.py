@@ -87,3 +87,17 @@ def test_logprobs_stop_with_the_output(folders, prompts):
 def test_bad_logprobs_refused(bad):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=bad)
+
+
+def test_top_alternatives_list_ties_by_id():
+    """The top-k equals a stable full sort: ties (bf16 logits tie often) by id, the lowest first,
+    including ties across the k-th place."""
+    from dspark.engine.logprobs import _top
+
+    g = torch.Generator().manual_seed(0)
+    for k in range(1, 8):
+        for x in (torch.randint(0, 6, (4, 50), generator=g).float(), torch.randn(4, 50, generator=g)):
+            lp = torch.log_softmax(x, -1)
+            v, i = _top(lp, k)
+            ref = torch.sort(-lp, dim=-1, stable=True).indices[:, :k]
+            assert torch.equal(i, ref) and torch.equal(v, lp.gather(1, ref))

@@ -71,8 +71,9 @@ INVALID = [
     (CHAT, {"messages": MSGS, "add_generation_prompt": False}, "add_generation_prompt"),
     # completions take logprobs as a count, chat as a flag (with top_logprobs for the count)
     (C, {"prompt": PROMPT, "logprobs": True}, "logprobs"), (CHAT, {"messages": MSGS, "logprobs": 1}, "logprobs"),
-    (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"), (C, {"prompt": PROMPT, "top_logprobs": 2},
-                                                                    "top_logprobs"),
+    (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": MSGS, "top_logprobs": 0}, "top_logprobs"),
+    (C, {"prompt": PROMPT, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (C, {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"), (C, {"prompt": PROMPT, "best_of": True}, "best_of"),
     (C, {"prompt": PROMPT, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),

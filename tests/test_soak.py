@@ -1,7 +1,8 @@
 """Soak test: a real uvicorn server (the default model, n-gram drafter) takes a few hundred mixed requests
-at once: streams and plain JSON, chat and completions, clients that go away mid-answer, bad inputs that
-must get 400, and long prompts whose prefill is chunked. Every good request must get its whole answer,
-the server must keep answering, and every KV page must be free again at the end.
+at once: streams and plain JSON, chat and completions (a quarter with logprobs), clients that go away
+mid-answer, bad inputs that must get 400, and long prompts whose prefill is chunked. Every good
+request must get its whole answer, the server must keep answering, and every KV page must be free
+again at the end.
 
 Bounded: 240 requests of at most 6 tokens each (3 long prompts), under a hard time limit: about 40 s
 on 2 busy cores."""
@@ -33,7 +34,7 @@ PROMPTS = ["The capital of France is", "Count: one two three four five, one two 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 60  # ~600 tokens: 3 at once, chunked prefill
 BAD: list[tuple[str, Any]] = [
     (C, b"{not json"), (C, {}), (C, {"prompt": "x", "max_tokens": 0}), (C, {"prompt": "x", "temperature": -1}),
-    (C, {"prompt": 42}), (C, {"prompt": "x", "n": 2}), (C, {"prompt": "x", "logprobs": 3}),
+    (C, {"prompt": 42}), (C, {"prompt": "x", "n": 2}), (C, {"prompt": "x", "logprobs": 21}),
     (C, {"prompt": "word " * 9000}), (C, {"prompt": "x", "max_tokens": 100_000}),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}), (CHAT, {"messages": []}),
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}), (CHAT, {"messages": "hi", "stream": True}),
@@ -63,7 +64,20 @@ def _good_body(rng: random.Random, chat: bool, prompt: str, max_tokens: int) -> 
     if rng.random() < 0.4:
         body["ignore_eos"] = True
     body["speculation"] = rng.choice([{"enabled": False}, {"block_size": 2}, {"block_size": 4}, {}])
+    if rng.random() < 0.25:
+        body.update({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})
     return body
+
+
+def _logprobs_count(job: Job, choices: list[dict]) -> int:
+    """Output tokens the logprobs of these choices (one response, or a stream's chunks) cover."""
+    key = "content" if job.path == CHAT else "tokens"
+    return sum(len(c["logprobs"][key]) for c in choices if c.get("logprobs"))
+
+
+def _check_logprobs(job: Job, choices: list[dict], usage: dict | None) -> None:
+    if job.body.get("logprobs") and usage is not None and _logprobs_count(job, choices) != usage["completion_tokens"]:
+        job.problems.append(f"logprobs for {_logprobs_count(job, choices)} of {usage['completion_tokens']} tokens")
 
 
 def make_jobs(rng: random.Random) -> list[Job]:
@@ -143,6 +157,7 @@ async def _stream(client: httpx.AsyncClient, job: Job) -> None:
     if (job.body.get("stream_options") or {}).get("include_usage") and usage is None:
         job.problems.append("no usage chunk")
     _check_finish(job, finishes[0], usage)
+    _check_logprobs(job, [c["choices"][0] for c in chunks if c["choices"]], usage)
 
 
 async def _plain(client: httpx.AsyncClient, job: Job) -> None:
@@ -163,6 +178,7 @@ async def _plain(client: httpx.AsyncClient, job: Job) -> None:
     if not isinstance(text, str):
         job.problems.append(f"no text: {out}")
     _check_finish(job, choice["finish_reason"], out["usage"])
+    _check_logprobs(job, [choice], out["usage"])
 
 
 async def _bad(client: httpx.AsyncClient, job: Job) -> None:

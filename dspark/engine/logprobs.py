@@ -43,9 +43,8 @@ def attach_logprobs(works: list[Work], logits: torch.Tensor | None) -> None:
     chosen = lp.gather(1, toks[:, None])[:, 0]
     ranks = (lp > chosen[:, None]).sum(-1) + 1
     k = max(w.seq.params.logprobs for w, _ in picks)
-    if k:  # a stable sort: tied tokens (bf16 logits tie often) listed by id, the lowest first, as argmax picks
-        top_i = torch.sort(-lp, dim=-1, stable=True).indices[:, :k]
-        top_v = lp.gather(1, top_i)
+    if k:
+        top_v, top_i = _top(lp, k)
     else:
         top_v, top_i = lp[:, :0], lp[:, :0].long()
     chosen, ranks, top_v, top_i = chosen.tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist()
@@ -55,3 +54,20 @@ def attach_logprobs(works: list[Work], logits: torch.Tensor | None) -> None:
         w.logprobs = [TokenLogprob(chosen[i + j], ranks[i + j], list(zip(top_i[i + j][:kw], top_v[i + j][:kw])))
                       for j in range(len(w.new_tokens))]
         i += len(w.new_tokens)
+
+
+def _top(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row, ties listed by id (the lowest first, the one argmax
+    picks: bf16 logits tie often). topk, then its k reordered by (-logprob, id); a row where more
+    than k tokens reach the k-th value (a tie across the cut) is sorted whole."""
+    v, i = lp.topk(k, dim=-1)
+    by_id = i.argsort(-1)
+    v, i = v.gather(1, by_id), i.gather(1, by_id)
+    by_value = (-v).argsort(dim=-1, stable=True)
+    v, i = v.gather(1, by_value), i.gather(1, by_value)
+    cut = (lp >= v[:, -1:]).sum(-1) > k
+    if bool(cut.any()):
+        rows = cut.nonzero()[:, 0]
+        i[rows] = torch.sort(-lp[rows], dim=-1, stable=True).indices[:, :k]
+        v[rows] = lp[rows].gather(1, i[rows])
+    return v, i

@@ -121,6 +121,11 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(16, ge=1)  # vLLM's default; null: up to the context
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_off(cls, v: Any) -> Any:
+        return None if v is False else v  # as vLLM (lax types) takes it; true is still refused
+
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
@@ -171,7 +176,7 @@ class ChatCompletionRequest(_Common):
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v and not info.data.get("logprobs"):
+        if v is not None and not info.data.get("logprobs"):  # as vLLM, even for 0
             raise ValueError("logprobs must be true when top_logprobs is set")
         return v
 

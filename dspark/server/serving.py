@@ -60,6 +60,7 @@ class _Generation:
         self.spec = SpeculationOptions()
         self.logprobs_sent = 0  # output tokens whose logprobs a stream has sent
         self.text_offset = 0  # completion characters those tokens span (the next text_offset)
+        self.token_text: dict[int, str] = {}  # token id -> its text, for logprobs (alternatives repeat)
 
     async def run(self) -> Response:
         st = self.state
@@ -137,14 +138,19 @@ class _Generation:
         """The logprobs of the output tokens not yet sent (all of them outside a stream)."""
         if out.logprobs is None:
             return None
-        decode = self.state.engine.tokenizer.decode
         start, self.logprobs_sent = self.logprobs_sent, len(out.logprobs)
         entries, ids = out.logprobs[start:], out.token_ids[start:len(out.logprobs)]
         if self.chat:
-            return chat_logprobs(entries, ids, lambda t: decode([t]))
-        body = completion_logprobs(entries, ids, lambda t: decode([t]), self.text_offset)
+            return chat_logprobs(entries, ids, self._token_text)
+        body = completion_logprobs(entries, ids, self._token_text, self.text_offset)
         self.text_offset += sum(len(s) for s in body["tokens"])
         return body
+
+    def _token_text(self, token_id: int) -> str:
+        text = self.token_text.get(token_id)
+        if text is None:
+            text = self.token_text[token_id] = self.state.engine.tokenizer.decode([token_id])
+        return text
 
     def _chunk(self, out: RequestOutput) -> dict:
         finish = out.finish_reason if out.finished else None

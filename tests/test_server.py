@@ -296,3 +296,16 @@ def test_metrics_consistent_with_responses(ngram_server):
     assert metric(m, "dspark:num_requests_running") == metric(m, "dspark:num_requests_waiting") == 0
     assert metric(m, "dspark:kv_cache_usage_perc") == 0
     assert metric(m, "dspark:num_preemptions_total") == 0
+
+
+def test_min_tokens_hold_off_eos(server):
+    """A short greedy chat answer ends with EOS; min_tokens makes it go on, and usage counts it."""
+    client, model = server.openai(), server.state.names[0]
+    short = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
+                                           temperature=0, max_tokens=64)
+    n = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and n < 40
+    held = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
+                                          temperature=0, max_tokens=64, extra_body={"min_tokens": n + 8})
+    assert held.usage.completion_tokens >= n + 8
+    assert held.choices[0].message.content.startswith(short.choices[0].message.content)

@@ -64,7 +64,8 @@ INVALID = [
     (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 100_000}, "max_completion_tokens"),
     (CHAT, {"messages": MSGS, "n": 3}, "n"), (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
-    (C, {"prompt": PROMPT, "min_tokens": 4}, "min_tokens"), (CHAT, {"messages": MSGS, "min_p": 0.1}, "min_p"),
+    (C, {"prompt": PROMPT, "min_tokens": -1}, "min_tokens"), (C, {"prompt": PROMPT, "min_tokens": 1.5}, "min_tokens"),
+    (C, {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 4}, None), (CHAT, {"messages": MSGS, "min_p": 0.1}, "min_p"),
     (CHAT, {"messages": MSGS, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     # past int64 top_k used to fail inside the batched step, failing every request in it (500)
     (C, {"prompt": PROMPT, "top_k": 2**63}, "top_k"), (CHAT, {"messages": MSGS, "top_k": 2**31}, "top_k"),

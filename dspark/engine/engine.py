@@ -262,7 +262,7 @@ class Engine:
         end = len(seq.output_ids) - 1 if stop_token else None
         delta = decode_new_text(self.tokenizer, seq, flush=seq.finish_reason is not None, end=end)
         seq.text += delta
-        if seq.params.stop and delta:
+        if seq.params.stop and delta and len(seq.output_ids) >= seq.params.min_tokens:  # as vLLM
             cut, which = find_stop(seq.text, seq.params.stop, len(delta))
             if cut != -1:
                 seq.text = seq.text[:cut]

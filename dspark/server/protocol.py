@@ -22,7 +22,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
     # vLLM's extra sampling and template fields
-    "min_tokens": (None, 0), "min_p": (None, 0), "include_stop_str_in_output": (None, False),
+    "min_p": (None, 0), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "bad_words": (None, []),
@@ -87,6 +87,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = 1
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
     speculation: SpeculationOptions | None = None
     user: str | None = None
 
@@ -102,10 +103,11 @@ class _Common(_Strict):
         params = SamplingParams(
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=0 if self.top_k is None else self.top_k, max_tokens=max_tokens or 1, seed=self.seed,
+            top_k=0 if self.top_k is None else self.top_k, seed=self.seed,
+            max_tokens=max_tokens or max(1, self.min_tokens),  # None: the scheduler fills in the context's room
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=self.num_logprobs())
+            min_tokens=self.min_tokens, logprobs=self.num_logprobs())
         params.validate()
         return params
 

@@ -1,0 +1,87 @@
+"""min_tokens: no EOS, stop token id or stop string before that many output tokens; greedy
+output then follows the target's argmax with those tokens banned, with and without speculation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from spec_helpers import alphabet_prompts, make_engine, run_requests
+
+from dspark.config import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+MIN = 10
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return alphabet_prompts([15, 17, 31], seed=5)
+
+
+def _reference(hf, prompt: list[int], stop: int, n: int) -> list[int]:
+    """Greedy decoding with transformers, `stop` banned for the first MIN tokens, until it appears."""
+    ids = list(prompt)
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < n:
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            if len(out) < MIN:
+                logits[stop] = float("-inf")
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+            if out[-1] == stop:
+                break
+    return out
+
+
+@pytest.mark.parametrize("drafter,tree", [("none", False), ("dspark", False), ("dspark", True)])
+def test_greedy_min_tokens_equal_a_reference(folders, prompts, drafter, tree):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
+    engine = make_engine(folders["target"], folders.get(drafter, drafter), tree=tree, tree_budget=8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    for prompt, full in zip(prompts, run_requests(engine, [(p, greedy, None) for p in prompts])):
+        stop = full.token_ids[2]  # would end the output at its third token
+        params = dataclasses.replace(greedy, stop_token_ids=[stop], min_tokens=MIN)
+        out = run_requests(engine, [(prompt, params, None)])[0]
+        assert out.token_ids == _reference(hf, prompt, stop, 24)
+        assert len(out.token_ids) > MIN and stop not in out.token_ids[:MIN]
+    if drafter == "dspark":
+        assert engine.spec_stats.accepted > 0
+
+
+def test_sampled_min_tokens_hold_against_eos(folders):
+    """A random 12-token target emits EOS (id 2) now and then: without min_tokens a third of 24
+    sampled outputs end before 12 tokens, with it none does, and speculation keeps drafting."""
+    engine = make_engine(folders["small_target"], folders["small_dspark"])
+    prompt = [3, 5, 7, 9, 4]
+    base = SamplingParams(temperature=1.0, max_tokens=30)
+    free = run_requests(engine, [(prompt, dataclasses.replace(base, seed=s), None) for s in range(24)])
+    assert sum(o.finish_reason == "stop" and len(o.token_ids) < 12 for o in free) >= 6
+    held = run_requests(engine, [(prompt, dataclasses.replace(base, seed=s, min_tokens=12), None)
+                                 for s in range(24)])
+    for o in held:
+        assert len(o.token_ids) >= 12 and 2 not in o.token_ids[:12]
+        assert o.finish_reason == "length" or o.token_ids[-1] == 2
+    assert engine.spec_stats.proposed > 0
+
+
+def test_stop_string_waits_for_min_tokens(folders, prompts):
+    engine = make_engine(folders["target"], folders["dspark"])
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    full = run_requests(engine, [(prompts[0], greedy, None)])[0]
+    early = engine.tokenizer.decode(full.token_ids[1:2]).strip()
+    assert early and early in full.text[:len(full.text) // 2]
+    stopped = run_requests(engine, [(prompts[0], dataclasses.replace(greedy, stop=[early]), None)])[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < MIN
+    held = run_requests(engine, [(prompts[0], dataclasses.replace(greedy, stop=[early], min_tokens=MIN), None)])[0]
+    assert len(held.token_ids) >= MIN and held.token_ids == full.token_ids[:len(held.token_ids)]
+
+
+@pytest.mark.parametrize("kw", [{"min_tokens": -1}, {"min_tokens": 5, "max_tokens": 4}, {"min_tokens": 1.5}])
+def test_bad_min_tokens_refused(kw):
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(**kw)

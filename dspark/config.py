@@ -24,6 +24,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0  # no EOS or stop token id (and no stop string) before this many output tokens
+    presence_penalty: float = 0.0  # subtracted once from every token the output holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # HF's: divides (multiplies) the positive (negative) logits of seen tokens
     logprobs: int | None = None  # None: none; k: each output token's logprob and its k best alternatives
 
     def __post_init__(self) -> None:
@@ -36,6 +39,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -62,6 +69,13 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 < r <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {r!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

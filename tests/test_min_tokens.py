@@ -22,14 +22,14 @@ def prompts():
     return alphabet_prompts([15, 17, 31], seed=5)
 
 
-def _reference(hf, prompt: list[int], stop: int, n: int) -> list[int]:
-    """Greedy decoding with transformers, `stop` banned for the first MIN tokens, until it appears."""
+def _reference(hf, prompt: list[int], stop: int, n: int, min_tokens: int) -> list[int]:
+    """Greedy decoding with transformers, `stop` banned for the first min_tokens, until it appears."""
     ids = list(prompt)
     out: list[int] = []
     with torch.no_grad():
         while len(out) < n:
             logits = hf(torch.tensor([ids])).logits[0, -1].float()
-            if len(out) < MIN:
+            if len(out) < min_tokens:
                 logits[stop] = float("-inf")
             out.append(int(logits.argmax()))
             ids.append(out[-1])
@@ -42,13 +42,14 @@ def _reference(hf, prompt: list[int], stop: int, n: int) -> list[int]:
 def test_greedy_min_tokens_equal_a_reference(folders, prompts, drafter, tree):
     hf = transformers.AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
     engine = make_engine(folders["target"], folders.get(drafter, drafter), tree=tree, tree_budget=8)
-    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    greedy = SamplingParams(temperature=0.0, max_tokens=60)
     for prompt, full in zip(prompts, run_requests(engine, [(p, greedy, None) for p in prompts])):
         stop = full.token_ids[2]  # would end the output at its third token
-        params = dataclasses.replace(greedy, stop_token_ids=[stop], min_tokens=MIN)
-        out = run_requests(engine, [(prompt, params, None)])[0]
-        assert out.token_ids == _reference(hf, prompt, stop, 24)
-        assert len(out.token_ids) > MIN and stop not in out.token_ids[:MIN]
+        for low in (MIN, 20, 25, 27, 30):  # the ban lifts at different places in a drafted block
+            params = dataclasses.replace(greedy, stop_token_ids=[stop], min_tokens=low)
+            out = run_requests(engine, [(prompt, params, None)])[0]
+            assert out.token_ids == _reference(hf, prompt, stop, 60, low)
+            assert len(out.token_ids) > low and stop not in out.token_ids[:low]
     if drafter == "dspark":
         assert engine.spec_stats.accepted > 0
 

@@ -309,3 +309,19 @@ def test_min_tokens_hold_off_eos(server):
                                           temperature=0, max_tokens=64, extra_body={"min_tokens": n + 8})
     assert held.usage.completion_tokens >= n + 8
     assert held.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
+def test_penalties_same_with_and_without_speculation(engines):
+    """Greedy decoding of REPEAT repeats its pattern; penalties over HTTP break it, with the same
+    text on both servers (the engine tests check verified drafts under penalties)."""
+    texts = {}
+    for name in ("none", "ngram"):
+        with serve(engines[name]) as s:
+            client, model = s.openai(), s.state.names[0]
+            plain = client.completions.create(model=model, prompt=REPEAT, temperature=0, max_tokens=24)
+            pen = client.completions.create(model=model, prompt=REPEAT, temperature=0, max_tokens=24,
+                                            frequency_penalty=1.0, presence_penalty=0.5,
+                                            extra_body={"repetition_penalty": 1.3})
+            texts[name] = pen.choices[0].text
+            assert plain.choices[0].text.count("one") > texts[name].count("one")
+    assert texts["none"] == texts["ngram"]

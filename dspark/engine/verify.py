@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.engine.logits_processors import process_logits
 from dspark.engine.sampling import accept_chain, warp_logits
 from dspark.engine.sequence import Sequence
 from dspark.engine.tree import DraftTree, accept_trees
@@ -90,36 +91,9 @@ def _tree_needs(trees: list[DraftTree]) -> list[list[int]]:
             for t, k in zip(trees, kids)]
 
 
-def _ban_early_stops(works: list[Work], logits: torch.Tensor | None) -> torch.Tensor | None:
-    """The logits with EOS and the stop token ids at -inf in every row that predicts an output
-    token before its request's min_tokens (a copy; the raw logits stay for logprobs). A row's
-    output index is the request's output length plus the row's depth below the anchor."""
-    banned: list[tuple[int, list[int]]] = []
-    at = 0
-    for w in works:
-        n = len(w.logit_rows())
-        done, p = len(w.seq.output_ids), w.seq.params
-        if n and done < p.min_tokens:
-            ids = sorted(i for i in w.seq.eos_ids | set(p.stop_token_ids) if i < logits.shape[-1])
-            if w.kind == "prefill":
-                depths = [0]
-            elif w.tree is not None:
-                depths = [0] + w.tree.depths
-            else:
-                depths = list(range(n))
-            banned += [(at + j, ids) for j, d in enumerate(depths) if done + d < p.min_tokens and ids]
-        at += n
-    if not banned:
-        return logits
-    logits = logits.clone()
-    for row, ids in banned:
-        logits[row, ids] = float("-inf")
-    return logits
-
-
 def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
     """Fill kept_rows and new_tokens of every work from the target logits of its rows."""
-    logits = _ban_early_stops(works, logits)
+    logits = process_logits(works, logits)
     at, sampled, greedy = 0, [], []
     for w in works:
         n = len(w.logit_rows())

@@ -2,7 +2,7 @@
 
 Requests are validated strictly: a wrong JSON type is an error, not coerced. Unknown fields
 are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (echo,
-penalties, tools, ...) are rejected when set to anything but their default.
+logit_bias, tools, ...) are rejected when set to anything but their default.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from dspark.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 # declares one of them implements it: logprobs for both, top_logprobs for chat)
 _UNSUPPORTED: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
+    "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
     # vLLM's extra sampling and template fields
     "min_p": (None, 0), "include_stop_str_in_output": (None, False),
@@ -88,6 +87,9 @@ class _Common(_Strict):
     n: int | None = 1
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     speculation: SpeculationOptions | None = None
     user: str | None = None
 
@@ -107,7 +109,10 @@ class _Common(_Strict):
             max_tokens=max_tokens or max(1, self.min_tokens),  # None: the scheduler fills in the context's room
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=self.num_logprobs())
+            min_tokens=self.min_tokens, logprobs=self.num_logprobs(),
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty))
         params.validate()
         return params
 

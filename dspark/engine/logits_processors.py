@@ -1,0 +1,90 @@
+"""Per-request changes to the target's logits before acceptance: min_tokens and the penalties.
+
+Each verified row predicts one output position. What comes before that position is the
+request's prompt and output so far plus the drafts on the way from the anchor to the row (a
+chain's first i drafts; a tree node's ancestors and the node itself). Processing every row with
+exactly that context makes verification accept from the same processed distribution that plain
+decoding samples from, so speculation stays lossless with respect to it. The raw logits are left
+as they are (a copy is processed): logprobs report them, as vLLM's do by default.
+
+Penalties follow vLLM: repetition (HF's: a seen token's positive logit divided by it, a negative
+one multiplied) over prompt and output; frequency (times the count) and presence (once) over
+the output only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # verify.py imports this module
+    from dspark.engine.verify import Work
+
+
+def row_prefixes(w: Work, n: int) -> list[list[int]]:
+    """For each of the work's n logit rows, the drafts between the request's output and the token
+    that row predicts."""
+    if w.kind == "prefill":
+        return [[]]
+    if w.tree is None:
+        return [w.drafts[:i] for i in range(n)]
+    paths: list[list[int]] = [[]]
+    for tok, par in zip(w.tree.tokens, w.tree.parents):  # parents come before their children
+        paths.append(paths[par] + [tok])
+    return paths[:n]
+
+
+def _active(w: Work) -> bool:
+    p = w.seq.params
+    return len(w.seq.output_ids) < p.min_tokens or p.has_penalties
+
+
+def process_logits(works: list[Work], logits: torch.Tensor | None) -> torch.Tensor | None:
+    """The logits every work's acceptance should read: the same tensor when no request needs
+    processing, else a processed copy."""
+    todo, at = [], 0
+    for w in works:
+        n = len(w.logit_rows())
+        if n and _active(w):
+            todo.append((w, at, n))
+        at += n
+    if not todo:
+        return logits
+    logits = logits.clone()
+    for w, at, n in todo:
+        prefixes = row_prefixes(w, n)
+        if w.seq.params.has_penalties:
+            logits[at:at + n] = _penalize(w, logits[at:at + n], prefixes)
+        _ban_early_stops(w, logits[at:at + n], prefixes)
+    return logits
+
+
+def _penalize(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> torch.Tensor:
+    p, seq = w.seq.params, w.seq
+    n, V = rows.shape
+    dev = rows.device
+    counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long), minlength=V)[:V].float()
+    counts = counts.to(dev).expand(n, V).clone()
+    for j, prefix in enumerate(prefixes):
+        if prefix:
+            counts[j].index_add_(0, torch.tensor(prefix, device=dev), torch.ones(len(prefix), device=dev))
+    x = rows.float()
+    if p.repetition_penalty != 1.0:
+        in_prompt = torch.zeros(V, dtype=torch.bool, device=dev)
+        in_prompt[torch.tensor([t for t in seq.prompt_ids if t < V], dtype=torch.long, device=dev)] = True
+        seen = (counts > 0) | in_prompt
+        r = p.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return x.to(rows.dtype)
+
+
+def _ban_early_stops(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> None:
+    """EOS and the stop token ids at -inf (in place) in the rows that predict an output token
+    before the request's min_tokens."""
+    done, p = len(w.seq.output_ids), w.seq.params
+    ids = sorted(i for i in w.seq.eos_ids | set(p.stop_token_ids) if i < rows.shape[-1])
+    early = [j for j, prefix in enumerate(prefixes) if done + len(prefix) < p.min_tokens]
+    if ids and early:
+        rows[torch.tensor(early)[:, None], torch.tensor(ids)[None, :]] = float("-inf")

@@ -74,8 +74,8 @@ class SamplingParams:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         r = self.repetition_penalty
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 < r <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {r!r}")
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 < r < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

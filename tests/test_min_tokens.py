@@ -67,6 +67,11 @@ def test_sampled_min_tokens_hold_against_eos(folders):
     for o in held:
         assert len(o.token_ids) >= 12 and 2 not in o.token_ids[:12]
         assert o.finish_reason == "length" or o.token_ids[-1] == 2
+    # ignore_eos still bans EOS before min_tokens (as vLLM), and lets it through, not stopping, after
+    ignoring = run_requests(engine, [(prompt, dataclasses.replace(base, seed=s, min_tokens=12, ignore_eos=True),
+                                      None) for s in range(24)])
+    assert all(len(o.token_ids) == 30 and 2 not in o.token_ids[:12] for o in ignoring)
+    assert any(2 in o.token_ids[12:] for o in ignoring)
     assert engine.spec_stats.proposed > 0
 
 

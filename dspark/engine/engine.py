@@ -123,6 +123,7 @@ class Engine:
         gen = None if params.greedy else torch.Generator().manual_seed(seed)
         seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_ids=ids, params=params,
                        generator=gen, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+                       early_stop_ids=self.eos_ids | set(params.stop_token_ids) if params.min_tokens else frozenset(),
                        spec_enabled=spec, block_size=block_size)
         self.seqs[request_id] = seq
         self.planner.waiting.append(seq)
@@ -262,7 +263,7 @@ class Engine:
         end = len(seq.output_ids) - 1 if stop_token else None
         delta = decode_new_text(self.tokenizer, seq, flush=seq.finish_reason is not None, end=end)
         seq.text += delta
-        if seq.params.stop and delta and len(seq.output_ids) >= seq.params.min_tokens:  # as vLLM
+        if seq.params.stop and delta and len(seq.output_ids) > seq.params.min_tokens:  # as vLLM
             cut, which = find_stop(seq.text, seq.params.stop, len(delta))
             if cut != -1:
                 seq.text = seq.text[:cut]

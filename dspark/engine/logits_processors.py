@@ -37,12 +37,12 @@ def row_prefixes(w: Work, n: int) -> list[list[int]]:
 
 def _active(w: Work) -> bool:
     p = w.seq.params
-    return len(w.seq.output_ids) < p.min_tokens or p.has_penalties
+    return (len(w.seq.output_ids) < p.min_tokens and bool(w.seq.early_stop_ids)) or p.has_penalties
 
 
 def process_logits(works: list[Work], logits: torch.Tensor | None) -> torch.Tensor | None:
     """The logits every work's acceptance should read: the same tensor when no request needs
-    processing, else a processed copy."""
+    processing, else a processed float32 copy (bf16 would round a small penalty away)."""
     todo, at = [], 0
     for w in works:
         n = len(w.logit_rows())
@@ -51,7 +51,7 @@ def process_logits(works: list[Work], logits: torch.Tensor | None) -> torch.Tens
         at += n
     if not todo:
         return logits
-    logits = logits.clone()
+    logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
     for w, at, n in todo:
         prefixes = row_prefixes(w, n)
         if w.seq.params.has_penalties:
@@ -64,27 +64,28 @@ def _penalize(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> torch.T
     p, seq = w.seq.params, w.seq
     n, V = rows.shape
     dev = rows.device
-    counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.long), minlength=V)[:V].float()
-    counts = counts.to(dev).expand(n, V).clone()
-    for j, prefix in enumerate(prefixes):
-        if prefix:
-            counts[j].index_add_(0, torch.tensor(prefix, device=dev), torch.ones(len(prefix), device=dev))
-    x = rows.float()
+    out = torch.tensor(seq.output_ids, dtype=torch.long, device=dev)
+    counts = torch.bincount(out, minlength=V)[:V].float().expand(n, V).clone()
+    pairs = [(j, t) for j, prefix in enumerate(prefixes) for t in prefix]
+    if pairs:  # each row also counts the drafts before it
+        idx = torch.tensor(pairs, dtype=torch.long, device=dev)
+        counts.index_put_((idx[:, 0], idx[:, 1]), torch.ones(len(pairs), device=dev), accumulate=True)
+    x = rows
     if p.repetition_penalty != 1.0:
         in_prompt = torch.zeros(V, dtype=torch.bool, device=dev)
         in_prompt[torch.tensor([t for t in seq.prompt_ids if t < V], dtype=torch.long, device=dev)] = True
         seen = (counts > 0) | in_prompt
         r = p.repetition_penalty
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-    x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
-    return x.to(rows.dtype)
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
 
 
 def _ban_early_stops(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> None:
-    """EOS and the stop token ids at -inf (in place) in the rows that predict an output token
-    before the request's min_tokens."""
+    """The request's early stop ids at -inf (in place) in the rows that predict an output token
+    before its min_tokens."""
     done, p = len(w.seq.output_ids), w.seq.params
-    ids = sorted(i for i in w.seq.eos_ids | set(p.stop_token_ids) if i < rows.shape[-1])
+    ids = sorted(i for i in w.seq.early_stop_ids if i < rows.shape[-1])
     early = [j for j, prefix in enumerate(prefixes) if done + len(prefix) < p.min_tokens]
     if ids and early:
-        rows[torch.tensor(early)[:, None], torch.tensor(ids)[None, :]] = float("-inf")
+        dev = rows.device
+        rows[torch.tensor(early, device=dev)[:, None], torch.tensor(ids, device=dev)[None, :]] = float("-inf")

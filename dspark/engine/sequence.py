@@ -67,6 +67,8 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     eos_ids: frozenset[int]
+    # banned before min_tokens: the model's EOS (even with ignore_eos, as vLLM) and the stop token ids
+    early_stop_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # logprobs.TokenLogprob per output token, when asked
     num_cached: int = 0

@@ -89,7 +89,7 @@ class _Common(_Strict):
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     speculation: SpeculationOptions | None = None
     user: str | None = None
 

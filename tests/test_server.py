@@ -325,3 +325,16 @@ def test_penalties_same_with_and_without_speculation(engines):
             texts[name] = pen.choices[0].text
             assert plain.choices[0].text.count("one") > texts[name].count("one")
     assert texts["none"] == texts["ngram"]
+
+
+def test_echo_puts_the_prompt_before_the_completion(server):
+    client, model = server.openai(), server.state.names[0]
+    plain = client.completions.create(model=model, prompt=PROMPT, **GREEDY)
+    echoed = client.completions.create(model=model, prompt=PROMPT, echo=True, **GREEDY)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text and echoed.usage == plain.usage
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, echo=True, stream=True, **GREEDY))
+    assert chunks[0].choices[0].text == PROMPT  # the prompt comes first, on its own
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
+    ids = server.state.engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    by_ids = client.completions.create(model=model, prompt=ids, echo=True, **GREEDY)
+    assert by_ids.choices[0].text == server.state.engine.tokenizer.decode(ids) + plain.choices[0].text

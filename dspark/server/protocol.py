@@ -1,8 +1,8 @@
 """OpenAI request models (as vLLM accepts them), response builders, and the API error type.
 
 Requests are validated strictly: a wrong JSON type is an error, not coerced. Unknown fields
-are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (echo,
-logit_bias, tools, ...) are rejected when set to anything but their default.
+are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (logit_bias,
+tools, chat echo, ...) are rejected when set to anything but their default.
 """
 
 from __future__ import annotations
@@ -127,6 +127,14 @@ class CompletionRequest(_Common):
     prompt: Any
     max_tokens: int | None = Field(16, ge=1)  # vLLM's default; null: up to the context
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+        return v
 
     @field_validator("logprobs", mode="before")
     @classmethod

@@ -60,6 +60,7 @@ class _Generation:
         self.spec = SpeculationOptions()
         self.logprobs_sent = 0  # output tokens whose logprobs a stream has sent
         self.text_offset = 0  # completion characters those tokens span (the next text_offset)
+        self.echo = ""  # completions with echo: the prompt's text, sent before the completion's
         self.token_text: dict[int, str] = {}  # token id -> its text, for logprobs (alternatives repeat)
 
     async def run(self) -> Response:
@@ -76,6 +77,8 @@ class _Generation:
             prompt, max_tokens = req.prompt, req.max_tokens
         self.spec = req.speculation or SpeculationOptions()
         self._check_block_size()
+        if not self.chat and req.echo:  # the prompt as text, before the completion (a token-id prompt decoded)
+            self.echo = prompt if isinstance(prompt, str) else st.engine.tokenizer.decode(prompt)
         try:
             params = req.sampling_params(max_tokens)
             stream = await sched.add(self.rid, prompt, params, max_tokens=max_tokens, spec=self.spec.enabled,
@@ -98,7 +101,7 @@ class _Generation:
         out = await self._collect(stream)
         u = usage(len(out.prompt_token_ids), len(out.token_ids))
         build = chat_body if self.chat else completion_body
-        return JSONResponse(build(self.rid, self.created, self.model, out.text, out.finish_reason, u,
+        return JSONResponse(build(self.rid, self.created, self.model, self.echo + out.text, out.finish_reason, u,
                                   self._speculation(out), stop_reason=out.stop_reason,
                                   logprobs=self._logprobs(out)))
 
@@ -171,6 +174,8 @@ class _Generation:
         try:
             if self.chat:
                 yield chunk(chat_body(self.rid, self.created, self.model, "", None, chunk=True, role=True))
+            elif self.echo:
+                yield chunk(completion_body(self.rid, self.created, self.model, self.echo, None, chunk=True))
             final = None
             async for out in stream:
                 if out.finished and out.finish_reason == "abort":

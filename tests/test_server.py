@@ -338,3 +338,34 @@ def test_echo_puts_the_prompt_before_the_completion(server):
     ids = server.state.engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     by_ids = client.completions.create(model=model, prompt=ids, echo=True, **GREEDY)
     assert by_ids.choices[0].text == server.state.engine.tokenizer.decode(ids) + plain.choices[0].text
+
+
+def test_n_choices(ngram_server):
+    """n seeded samples: n choices indexed 0..n-1, each the single request seeded seed + i, usage
+    and speculation counters over all of them, and a stream whose chunks per index add up to them."""
+    s = ngram_server
+    body = {"model": s.state.names[0], "prompt": PROMPT, "temperature": 1.0, "seed": 7, "max_tokens": 8, "n": 3}
+    outs = [httpx.post(s.url + "/v1/completions", json=body, timeout=120).json() for _ in range(2)]
+    choices = outs[0]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2] and outs[1]["choices"] == choices
+    assert len({c["text"] for c in choices}) > 1  # seed, seed + 1, seed + 2
+    # choice i is the single request with seed 7 + i
+    singles = [httpx.post(s.url + "/v1/completions", json={**body, "n": 1, "seed": 7 + i}, timeout=120).json()
+               for i in range(3)]
+    assert [c["text"] for c in choices] == [one["choices"][0]["text"] for one in singles]
+    assert outs[0]["usage"]["completion_tokens"] == sum(one["usage"]["completion_tokens"] for one in singles)
+    assert outs[0]["speculation"]["steps"] == sum(one["speculation"]["steps"] for one in singles)
+    status, data = stream_raw(s.url, "/v1/chat/completions", {
+        "model": s.state.names[0], "messages": [{"role": "user", "content": "Hi"}], "temperature": 1.0, "seed": 3,
+        "max_tokens": 8, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    full = httpx.post(s.url + "/v1/chat/completions", json={
+        "model": s.state.names[0], "messages": [{"role": "user", "content": "Hi"}], "temperature": 1.0, "seed": 3,
+        "max_tokens": 8, "n": 2}, timeout=120).json()
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert "".join(c["delta"].get("content", "") for c in mine) == full["choices"][i]["message"]["content"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [full["choices"][i]["finish_reason"]]
+    assert chunks[-1]["usage"] == full["usage"]

@@ -34,7 +34,7 @@ PROMPTS = ["The capital of France is", "Count: one two three four five, one two 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 60  # ~600 tokens: 3 at once, chunked prefill
 BAD: list[tuple[str, Any]] = [
     (C, b"{not json"), (C, {}), (C, {"prompt": "x", "max_tokens": 0}), (C, {"prompt": "x", "temperature": -1}),
-    (C, {"prompt": 42}), (C, {"prompt": "x", "n": 2}), (C, {"prompt": "x", "logprobs": 21}),
+    (C, {"prompt": 42}), (C, {"prompt": "x", "n": 0}), (C, {"prompt": "x", "logprobs": 21}),
     (C, {"prompt": "word " * 9000}), (C, {"prompt": "x", "max_tokens": 100_000}),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}), (CHAT, {"messages": []}),
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}), (CHAT, {"messages": "hi", "stream": True}),

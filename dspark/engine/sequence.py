@@ -49,6 +49,19 @@ class SpecStats:
             self.verified_per_pos[pos] += 1
             self.accepted_per_pos[pos] += pos < accepted
 
+    def add(self, other: SpecStats) -> None:
+        """Fold another request's counters into these."""
+        self.steps += other.steps
+        self.proposed += other.proposed
+        self.verified += other.verified
+        self.accepted += other.accepted
+        self.generated += other.generated
+        for mine, theirs in ((self.accepted_per_pos, other.accepted_per_pos),
+                             (self.verified_per_pos, other.verified_per_pos)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for pos, v in enumerate(theirs):
+                mine[pos] += v
+
     def as_dict(self) -> dict:
         return {"steps": self.steps, "proposed": self.proposed, "verified": self.verified,
                 "accepted": self.accepted, "tau": round(self.tau, 4),

@@ -84,7 +84,7 @@ class _Common(_Strict):
     stop_token_ids: list[int] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=64)  # serving.MAX_N
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -92,13 +92,6 @@ class _Common(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     speculation: SpeculationOptions | None = None
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return v
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Sampling settings with vLLM's defaults (temperature 1, top_p 1, top_k off)."""
@@ -262,11 +255,11 @@ def chat_logprobs(entries: list, token_ids: list[int], decode: Callable[[int], s
 
 def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
                     usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False,
-                    stop_reason: int | str | None = None, logprobs: dict | None = None) -> dict:
+                    stop_reason: int | str | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
     """A text_completion object, or one streamed chunk of it. stop_reason (vLLM's extension): the
     stop string or stop token id that ended the output, null for EOS and length."""
     body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                            "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish_reason, "stop_reason": stop_reason}]}
     if not chunk or usage_ is not None:
         body["usage"] = usage_
@@ -277,7 +270,8 @@ def completion_body(rid: str, created: int, model: str, text: str, finish_reason
 
 def chat_body(rid: str, created: int, model: str, content: str | None, finish_reason: str | None,
               usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False,
-              role: bool = False, stop_reason: int | str | None = None, logprobs: dict | None = None) -> dict:
+              role: bool = False, stop_reason: int | str | None = None, logprobs: dict | None = None,
+              index: int = 0) -> dict:
     """A chat.completion object, or one chat.completion.chunk (a delta) when chunk."""
     if chunk:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -285,10 +279,10 @@ def chat_body(rid: str, created: int, model: str, content: str | None, finish_re
             delta["content"] = content
         elif role:
             delta["content"] = ""
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                   "stop_reason": stop_reason}
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+        choice = {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
                   "finish_reason": finish_reason, "stop_reason": stop_reason}
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
                             "created": created, "model": model, "choices": [choice]}

@@ -8,13 +8,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from dspark.engine.sequence import RequestOutput
+from dspark.engine.sequence import RequestOutput, SpecStats
 from dspark.scheduler.scheduler import EngineError, QueueFullError, RequestAborted, RequestStream, UnavailableError
 from dspark.server.protocol import (
     APIError,
@@ -49,8 +50,30 @@ async def _read_json(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
+MAX_N = 64  # choices per request (each is an engine request of its own)
+
+
+def _nth_seed(seed: int | None, i: int) -> int | None:
+    """Choice i's seed: the request's plus i (kept in the accepted range), so seeded choices differ
+    from each other yet repeat across identical requests."""
+    if seed is None:
+        return None
+    return seed + i if seed + i < 2**64 else seed + i - 2**64
+
+
+@dataclass
+class _Choice:
+    """One of a request's n choices: its engine stream and what a stream has sent of it."""
+
+    index: int
+    stream: RequestStream
+    logprobs_sent: int = 0  # output tokens whose logprobs were sent
+    text_offset: int = 0  # completion characters those tokens span (the next text_offset)
+    final: RequestOutput | None = None
+
+
 class _Generation:
-    """One completion or chat request from admission to its response."""
+    """One completion or chat request from admission to its response (n choices)."""
 
     def __init__(self, state: ServerState, request: Request, chat: bool):
         self.state, self.request, self.chat = state, request, chat
@@ -58,8 +81,7 @@ class _Generation:
         self.created = int(time.time())
         self.model = ""
         self.spec = SpeculationOptions()
-        self.logprobs_sent = 0  # output tokens whose logprobs a stream has sent
-        self.text_offset = 0  # completion characters those tokens span (the next text_offset)
+        self.choices: list[_Choice] = []
         self.echo = ""  # completions with echo: the prompt's text, sent before the completion's
         self.token_text: dict[int, str] = {}  # token id -> its text, for logprobs (alternatives repeat)
 
@@ -81,13 +103,17 @@ class _Generation:
             self.echo = prompt if isinstance(prompt, str) else st.engine.tokenizer.decode(prompt)
         try:
             params = req.sampling_params(max_tokens)
-            stream = await sched.add(self.rid, prompt, params, max_tokens=max_tokens, spec=self.spec.enabled,
-                                     block_size=self.spec.block_size)
-        except QueueFullError as e:
-            raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
-        except UnavailableError as e:
-            raise APIError(503, str(e)) from None
-        except ValueError as e:
+            for i in range(req.n or 1):
+                stream = await sched.add(self.rid if i == 0 else f"{self.rid}-{i}", prompt,
+                                         replace(params, seed=_nth_seed(params.seed, i)), max_tokens=max_tokens,
+                                         spec=self.spec.enabled, block_size=self.spec.block_size)
+                self.choices.append(_Choice(i, stream))
+        except (QueueFullError, UnavailableError, ValueError) as e:
+            self._abort()  # the choices admitted before one was refused
+            if isinstance(e, QueueFullError):
+                raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
+            if isinstance(e, UnavailableError):
+                raise APIError(503, str(e)) from None
             param = getattr(e, "param", None)
             if param == "max_tokens" and self.chat and req.max_completion_tokens is not None:
                 param = "max_completion_tokens"  # name the field the client sent
@@ -96,14 +122,37 @@ class _Generation:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background abort covers a client gone before the generator's first step (Starlette
             # may then cancel it unstarted, and its finally never runs); after a finished stream it is a no-op
-            return StreamingResponse(self._stream(stream, include_usage), media_type="text/event-stream",
-                                     headers=SSE_HEADERS, background=BackgroundTask(stream.abort))
-        out = await self._collect(stream)
-        u = usage(len(out.prompt_token_ids), len(out.token_ids))
+            return StreamingResponse(self._stream(include_usage), media_type="text/event-stream",
+                                     headers=SSE_HEADERS, background=BackgroundTask(self._abort))
+        tasks = [asyncio.create_task(self._collect(c.stream)) for c in self.choices]
+        try:  # one choice failing (or the client leaving) ends them all
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        finally:
+            self._abort()
+        outs = []
+        for result in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
+            outs.append(result)
         build = chat_body if self.chat else completion_body
-        return JSONResponse(build(self.rid, self.created, self.model, self.echo + out.text, out.finish_reason, u,
-                                  self._speculation(out), stop_reason=out.stop_reason,
-                                  logprobs=self._logprobs(out)))
+        body = None
+        for c, out in zip(self.choices, outs):
+            one = build(self.rid, self.created, self.model, self.echo + out.text, out.finish_reason,
+                        self._usage(outs), self._speculation(outs), stop_reason=out.stop_reason,
+                        logprobs=self._logprobs(out, c), index=c.index)
+            if body is None:
+                body = one
+            else:
+                body["choices"] += one["choices"]
+        return JSONResponse(body)
+
+    def _abort(self) -> None:
+        for c in self.choices:
+            c.stream.abort()
 
     def _check_block_size(self) -> None:
         spec = self.state.engine.spec
@@ -114,8 +163,16 @@ class _Generation:
             raise APIError(400, f"speculation.block_size must be in [1, {top}] for drafter {spec.name}",
                            param="speculation.block_size")
 
-    def _speculation(self, out: RequestOutput) -> dict:
-        return {**out.stats.as_dict(), "drafter": self.state.engine.spec.name, "enabled": self.spec.enabled}
+    def _speculation(self, outs: list[RequestOutput]) -> dict:
+        """The speculation counters of the request: every choice's, summed."""
+        total = SpecStats()
+        for out in outs:
+            total.add(out.stats)
+        return {**total.as_dict(), "drafter": self.state.engine.spec.name, "enabled": self.spec.enabled}
+
+    @staticmethod
+    def _usage(outs: list[RequestOutput]) -> dict:
+        return usage(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs))
 
     async def _collect(self, stream: RequestStream) -> RequestOutput:
         async def watch() -> None:  # abort when the client goes away
@@ -137,16 +194,16 @@ class _Generation:
             raise APIError(503, "the request was aborted")
         return out
 
-    def _logprobs(self, out: RequestOutput) -> dict | None:
-        """The logprobs of the output tokens not yet sent (all of them outside a stream)."""
+    def _logprobs(self, out: RequestOutput, c: _Choice) -> dict | None:
+        """The logprobs of the choice's output tokens not yet sent (all of them outside a stream)."""
         if out.logprobs is None:
             return None
-        start, self.logprobs_sent = self.logprobs_sent, len(out.logprobs)
+        start, c.logprobs_sent = c.logprobs_sent, len(out.logprobs)
         entries, ids = out.logprobs[start:], out.token_ids[start:len(out.logprobs)]
         if self.chat:
             return chat_logprobs(entries, ids, self._token_text)
-        body = completion_logprobs(entries, ids, self._token_text, self.text_offset)
-        self.text_offset += sum(len(s) for s in body["tokens"])
+        body = completion_logprobs(entries, ids, self._token_text, c.text_offset)
+        c.text_offset += sum(len(s) for s in body["tokens"])
         return body
 
     def _token_text(self, token_id: int) -> str:
@@ -155,15 +212,46 @@ class _Generation:
             text = self.token_text[token_id] = self.state.engine.tokenizer.decode([token_id])
         return text
 
-    def _chunk(self, out: RequestOutput) -> dict:
+    def _chunk(self, out: RequestOutput, c: _Choice) -> dict:
         finish = out.finish_reason if out.finished else None
-        spec = self._speculation(out) if out.finished else None
+        spec = self._speculation([out]) if out.finished else None
         stop = out.stop_reason if out.finished else None
         build = chat_body if self.chat else completion_body
         return build(self.rid, self.created, self.model, out.new_text, finish, speculation=spec, chunk=True,
-                     stop_reason=stop, logprobs=self._logprobs(out))
+                     stop_reason=stop, logprobs=self._logprobs(out, c), index=c.index)
 
-    async def _stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+    async def _outputs(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Every choice's outputs as they come, interleaved; an error in any choice is raised."""
+        if len(self.choices) == 1:
+            async for out in self.choices[0].stream:
+                yield self.choices[0], out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice) -> None:
+            try:
+                async for out in c.stream:
+                    await queue.put((c, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put((c, e))
+            await queue.put((c, None))
+
+        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        try:
+            open_ = len(tasks)
+            while open_:
+                c, item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield c, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _stream(self, include_usage: bool) -> AsyncIterator[str]:
         """SSE chunks; a client that disconnects cancels this generator, which aborts the request."""
 
         def chunk(body: dict) -> str:  # with include_usage every chunk but the last says "usage": null
@@ -172,20 +260,22 @@ class _Generation:
             return _sse(body)
 
         try:
-            if self.chat:
-                yield chunk(chat_body(self.rid, self.created, self.model, "", None, chunk=True, role=True))
-            elif self.echo:
-                yield chunk(completion_body(self.rid, self.created, self.model, self.echo, None, chunk=True))
-            final = None
-            async for out in stream:
+            for c in self.choices:
+                if self.chat:
+                    yield chunk(chat_body(self.rid, self.created, self.model, "", None, chunk=True, role=True,
+                                          index=c.index))
+                elif self.echo:
+                    yield chunk(completion_body(self.rid, self.created, self.model, self.echo, None, chunk=True,
+                                                index=c.index))
+            async for c, out in self._outputs():
                 if out.finished and out.finish_reason == "abort":
                     raise RequestAborted("the request was aborted")
                 if out.new_text or out.finished:
-                    yield chunk(self._chunk(out))
-                final = out
-            if include_usage and final is not None:
-                u = usage(len(final.prompt_token_ids), len(final.token_ids))
-                yield _sse(usage_chunk(self.rid, self.created, self.model, self.chat, u))
+                    yield chunk(self._chunk(out, c))
+                c.final = out
+            finals = [c.final for c in self.choices]
+            if include_usage and all(f is not None for f in finals):
+                yield _sse(usage_chunk(self.rid, self.created, self.model, self.chat, self._usage(finals)))
         except RequestAborted as e:
             yield _sse(APIError(503, str(e)).body())
         except Exception as e:  # EngineError, or a bug: tell the client inside the stream
@@ -193,7 +283,7 @@ class _Generation:
                 logger.exception("stream %s failed", self.rid)
             yield _sse(APIError(500, str(e) if isinstance(e, EngineError) else f"internal error: {e}").body())
         finally:
-            stream.abort()
+            self._abort()
         yield "data: [DONE]\n\n"
 
 

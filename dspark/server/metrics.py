@@ -5,7 +5,9 @@ latency after every step, the rest per request when it finishes. Counter semanti
 
 - prompt_tokens: a request's prompt once its first token is delivered (its prefill is done);
   generation_tokens: tokens as they are delivered, so rate() follows long streams as vLLM's does.
-  Both are counted before the client sees those tokens, and add up to the responses' usage.
+  Both are counted before the client sees those tokens, and add up to the responses' usage
+  (each of a request's n choices is an engine request: its prompt counts n times here, once in
+  the response's usage).
 - spec_decode_num_drafts: target passes of decoding requests (one per request per step,
   whether or not the drafter proposed anything), so mean acceptance length
   1 + accepted / drafts matches vLLM's formula, and generation tokens / drafts ~ tau.

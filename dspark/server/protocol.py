@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from dspark.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 
+MAX_N = 64  # choices per request, each an engine request of its own
+
 # OpenAI fields we do not implement, with the values that mean "off" (a request model that
 # declares one of them implements it: logprobs for both, top_logprobs for chat)
 _UNSUPPORTED: dict[str, tuple] = {
@@ -84,7 +86,7 @@ class _Common(_Strict):
     stop_token_ids: list[int] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1, le=64)  # serving.MAX_N
+    n: int | None = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

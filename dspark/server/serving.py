@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -48,9 +49,6 @@ async def _read_json(request: Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
-
-
-MAX_N = 64  # choices per request (each is an engine request of its own)
 
 
 def _nth_seed(seed: int | None, i: int) -> int | None:
@@ -99,17 +97,21 @@ class _Generation:
             prompt, max_tokens = req.prompt, req.max_tokens
         self.spec = req.speculation or SpeculationOptions()
         self._check_block_size()
-        if not self.chat and req.echo:  # the prompt as text, before the completion (a token-id prompt decoded)
-            self.echo = prompt if isinstance(prompt, str) else st.engine.tokenizer.decode(prompt)
+        n = req.n or 1
+        if n > sched.capacity:
+            raise APIError(400, f"n={n} is more than this server ever holds at once ({sched.capacity} requests)",
+                           param="n")
         try:
             params = req.sampling_params(max_tokens)
-            for i in range(req.n or 1):
+            if sched.num_active + n > sched.capacity:  # all or none: no choice admitted to be aborted
+                raise QueueFullError(f"too many requests in flight ({sched.num_active}) for {n} more; retry later")
+            for i in range(n):
                 stream = await sched.add(self.rid if i == 0 else f"{self.rid}-{i}", prompt,
                                          replace(params, seed=_nth_seed(params.seed, i)), max_tokens=max_tokens,
                                          spec=self.spec.enabled, block_size=self.spec.block_size)
                 self.choices.append(_Choice(i, stream))
-        except (QueueFullError, UnavailableError, ValueError) as e:
-            self._abort()  # the choices admitted before one was refused
+        except BaseException as e:
+            self._abort()  # the choices admitted before one was refused (or the handler cancelled)
             if isinstance(e, QueueFullError):
                 raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
             if isinstance(e, UnavailableError):
@@ -117,7 +119,11 @@ class _Generation:
             param = getattr(e, "param", None)
             if param == "max_tokens" and self.chat and req.max_completion_tokens is not None:
                 param = "max_completion_tokens"  # name the field the client sent
-            raise APIError(400, str(e), param=param) from None
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param=param) from None
+            raise
+        if not self.chat and req.echo:  # the prompt as text (token ids decoded once the engine took them)
+            self.echo = prompt if isinstance(prompt, str) else st.engine.tokenizer.decode(prompt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background abort covers a client gone before the generator's first step (Starlette
@@ -126,15 +132,20 @@ class _Generation:
                                      headers=SSE_HEADERS, background=BackgroundTask(self._abort))
         tasks = [asyncio.create_task(self._collect(c.stream)) for c in self.choices]
         try:  # one choice failing (or the client leaving) ends them all
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:
             for t in tasks:
                 t.cancel()
             raise
         finally:
             self._abort()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        # the error that ended the request, not the aborts it caused in the other choices
+        first = next((t.exception() for t in tasks if t in done and t.exception() is not None), None)
+        if first is not None:
+            raise first
         outs = []
-        for result in await asyncio.gather(*tasks, return_exceptions=True):
+        for result in results:
             if isinstance(result, BaseException):
                 raise result
             outs.append(result)
@@ -232,7 +243,9 @@ class _Generation:
             try:
                 async for out in c.stream:
                     await queue.put((c, out))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # handed to the consumer, which raises it
                 await queue.put((c, e))
             await queue.put((c, None))
 
@@ -243,7 +256,7 @@ class _Generation:
                 c, item = await queue.get()
                 if item is None:
                     open_ -= 1
-                elif isinstance(item, BaseException):
+                elif isinstance(item, Exception):
                     raise item
                 else:
                     yield c, item
@@ -267,12 +280,13 @@ class _Generation:
                 elif self.echo:
                     yield chunk(completion_body(self.rid, self.created, self.model, self.echo, None, chunk=True,
                                                 index=c.index))
-            async for c, out in self._outputs():
-                if out.finished and out.finish_reason == "abort":
-                    raise RequestAborted("the request was aborted")
-                if out.new_text or out.finished:
-                    yield chunk(self._chunk(out, c))
-                c.final = out
+            async with contextlib.aclosing(self._outputs()) as outputs:
+                async for c, out in outputs:
+                    if out.finished and out.finish_reason == "abort":
+                        raise RequestAborted("the request was aborted")
+                    if out.new_text or out.finished:
+                        yield chunk(self._chunk(out, c))
+                    c.final = out
             finals = [c.final for c in self.choices]
             if include_usage and all(f is not None for f in finals):
                 yield _sse(usage_chunk(self.rid, self.created, self.model, self.chat, self._usage(finals)))

@@ -43,16 +43,12 @@ def _active(w: Work) -> bool:
 def process_logits(works: list[Work], logits: torch.Tensor | None) -> torch.Tensor | None:
     """The logits every work's acceptance should read: the same tensor when no request needs
     processing, else a processed float32 copy (bf16 would round a small penalty away)."""
-    todo, at = [], 0
-    for w in works:
-        n = len(w.logit_rows())
-        if n and _active(w):
-            todo.append((w, at, n))
-        at += n
+    todo = [w for w in works if w.num_logit_rows and _active(w)]
     if not todo:
         return logits
     logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    for w, at, n in todo:
+    for w in todo:
+        at, n = w.first_logit, w.num_logit_rows
         prefixes = row_prefixes(w, n)
         if w.seq.params.has_penalties:
             logits[at:at + n] = _penalize(w, logits[at:at + n], prefixes)

@@ -27,14 +27,11 @@ class TokenLogprob:
 def attach_logprobs(works: list[Work], logits: torch.Tensor | None) -> None:
     """Fill `w.logprobs` (one TokenLogprob per new token) for every work whose request asks."""
     picks: list[tuple[Work, list[int]]] = []
-    at = 0
     for w in works:
-        n = len(w.logit_rows())
-        if n and w.new_tokens and w.seq.params.logprobs is not None:
+        if w.new_tokens and w.seq.params.logprobs is not None:
             # decode: kept_rows[i] is the row that predicted new token i; prefill: its one row
-            local = w.kept_rows[:len(w.new_tokens)] if w.kind == "decode" else [n - 1]
-            picks.append((w, [at + r for r in local]))
-        at += n
+            local = w.kept_rows[:len(w.new_tokens)] if w.kind == "decode" else [0]
+            picks.append((w, [w.first_logit + r for r in local]))
     if not picks:
         return
     rows = torch.tensor([r for _, rs in picks for r in rs], device=logits.device)

@@ -25,6 +25,7 @@ class Work:
     tree: DraftTree | None = None
     samples: bool = False  # a token is sampled from this work's last verified row(s)
     first_row: int = 0
+    first_logit: int = 0  # this work's first row in the pass's logits (layout sets both)
     kept_rows: list[int] = field(default_factory=list)  # offsets into tokens that stay cached
     new_tokens: list[int] = field(default_factory=list)
     logprobs: list | None = None  # logprobs.TokenLogprob per new token, when the request asks
@@ -39,6 +40,12 @@ class Work:
             return [start] + [start + d for d in self.tree.depths]
         return list(range(start, start + len(self.tokens)))
 
+    @property
+    def num_logit_rows(self) -> int:
+        if self.kind == "decode":
+            return len(self.tokens)
+        return 1 if self.samples else 0
+
     def logit_rows(self) -> list[int]:
         if self.kind == "decode":
             return list(range(self.first_row, self.first_row + len(self.tokens)))
@@ -47,10 +54,11 @@ class Work:
 
 def layout(works: list[Work]) -> tuple[list, list[int], str, list | None, torch.Tensor | None]:
     """Items, logit rows, mask kind, custom masks and positions for ModelRunner.forward."""
-    row = 0
+    row = logit = 0
     for w in works:
-        w.first_row = row
+        w.first_row, w.first_logit = row, logit
         row += len(w.tokens)
+        logit += w.num_logit_rows
     items = [(w.seq, w.tokens) for w in works]
     rows = [r for w in works for r in w.logit_rows()]
     if not any(w.tree is not None for w in works):
@@ -94,14 +102,13 @@ def _tree_needs(trees: list[DraftTree]) -> list[list[int]]:
 def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
     """Fill kept_rows and new_tokens of every work from the target logits of its rows."""
     logits = process_logits(works, logits)
-    at, sampled, greedy = 0, [], []
+    sampled, greedy = [], []
     for w in works:
-        n = len(w.logit_rows())
+        at, n = w.first_logit, w.num_logit_rows
         if n and w.seq.params.greedy:
             greedy.append((w, at, n))
         elif n:
             sampled.append((w, logits[at:at + n]))
-        at += n
         if w.kind == "prefill":
             w.kept_rows = list(range(len(w.tokens)))
     if greedy:

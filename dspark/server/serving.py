@@ -150,16 +150,11 @@ class _Generation:
                 raise result
             outs.append(result)
         build = chat_body if self.chat else completion_body
-        body = None
-        for c, out in zip(self.choices, outs):
-            one = build(self.rid, self.created, self.model, self.echo + out.text, out.finish_reason,
-                        self._usage(outs), self._speculation(outs), stop_reason=out.stop_reason,
-                        logprobs=self._logprobs(out, c), index=c.index)
-            if body is None:
-                body = one
-            else:
-                body["choices"] += one["choices"]
-        return JSONResponse(body)
+        choices = [build(self.rid, self.created, self.model, self.echo + out.text, out.finish_reason,
+                         stop_reason=out.stop_reason, logprobs=self._logprobs(out, c), index=c.index)["choices"][0]
+                   for c, out in zip(self.choices, outs)]
+        body = build(self.rid, self.created, self.model, "", None, self._usage(outs), self._speculation(outs))
+        return JSONResponse(body | {"choices": choices})
 
     def _abort(self) -> None:
         for c in self.choices:
@@ -233,10 +228,6 @@ class _Generation:
 
     async def _outputs(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Every choice's outputs as they come, interleaved; an error in any choice is raised."""
-        if len(self.choices) == 1:
-            async for out in self.choices[0].stream:
-                yield self.choices[0], out
-            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(c: _Choice) -> None:

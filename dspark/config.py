@@ -28,6 +28,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # HF's: divides (multiplies) the positive (negative) logits of seen tokens
     logprobs: int | None = None  # None: none; k: each output token's logprob and its k best alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be generated (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,6 +42,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_logit_mask(self) -> bool:
+        """A logit bias or an allowed-token list changes the distribution at every position."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -76,9 +84,37 @@ class SamplingParams:
         r = self.repetition_penalty
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 < r < float("inf"):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        self._validate_logit_mask()
+
+    def _validate_logit_mask(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+            for t, b in self.logit_bias.items():
+                if not _is_token_id(t):
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100.0 <= b <= 100.0:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            bad = next((t for t in ids if not _is_token_id(t)), None)
+            if bad is not None:
+                raise ValueError(f"allowed_token_ids must be token ids (integers >= 0), got {bad!r}")
+
+    def logit_token_ids(self) -> list[int]:
+        """The token ids whose logits the request changes (the engine checks them against its
+        vocabulary; a stop token id outside it simply never matches)."""
+        return [*(self.logit_bias or {}), *(self.allowed_token_ids or [])]
+
+
+def _is_token_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 @dataclass

@@ -101,3 +101,36 @@ def test_top_alternatives_list_ties_by_id():
             v, i = _top(lp, k)
             ref = torch.sort(-lp, dim=-1, stable=True).indices[:, :k]
             assert torch.equal(i, ref) and torch.equal(v, lp.gather(1, ref))
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_prompt_logprobs_equal_a_full_forward(folders, prompts, chunk):
+    """Every prompt token after the first gets transformers' log-softmax at its position, also
+    when the prompt is prefilled in chunks (7 tokens a forward) beside other requests."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
+    kw = {"max_num_batched_tokens": chunk} if chunk else {}
+    engine = make_engine(folders["target"], folders["dspark"], **kw)
+    sp = dataclasses.replace(GREEDY, max_tokens=4, prompt_logprobs=2)
+    outs = run_requests(engine, [(p, sp, None) for p in prompts] + [(prompts[0], GREEDY, None)])
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+        for i, e in enumerate(out.prompt_logprobs[1:], start=1):
+            row = ref[i - 1]
+            assert e.logprob == pytest.approx(float(row[p[i]]), abs=1e-4)
+            x = row[p[i]]  # a prompt token may rank low, among near ties
+            assert int((row > x + 1e-4).sum()) + 1 <= e.rank <= int((row > x - 1e-4).sum()) + 1
+            assert [t for t, _ in e.top] == row.topk(2).indices.tolist()
+    assert outs[-1].prompt_logprobs is None
+
+
+def test_prompt_logprobs_end_where_the_output_logprobs_begin(folders, prompts):
+    """The prompt p + [t] scores t as the request on p scored its output token t."""
+    engine = make_engine(folders["target"])
+    first = run_requests(engine, [(prompts[1], dataclasses.replace(GREEDY, max_tokens=1), None)])[0]
+    sp = dataclasses.replace(GREEDY, max_tokens=1, logprobs=None, prompt_logprobs=3)
+    again = run_requests(engine, [(prompts[1] + first.token_ids, sp, None)])[0]
+    e, ref = again.prompt_logprobs[-1], first.logprobs[0]
+    assert (e.rank, [t for t, _ in e.top]) == (ref.rank, [t for t, _ in ref.top])
+    assert e.logprob == pytest.approx(ref.logprob, abs=1e-5)

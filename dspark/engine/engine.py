@@ -24,7 +24,7 @@ from dspark.engine.batch_planner import BatchPlanner
 from dspark.engine.cuda_graphs import SCRATCH_TOKENS, install_graphs
 from dspark.engine.detokenizer import decode_new_text, find_stop
 from dspark.engine.kv_cache import KVCache, PagePool
-from dspark.engine.logprobs import attach_logprobs
+from dspark.engine.logprobs import attach_logprobs, attach_prompt_logprobs
 from dspark.engine.model_runner import ModelRunner
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.spec import SpecRunner
@@ -117,14 +117,22 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} "
                              "tokens and needs room for at least one generated token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.logit_token_ids() if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} in logit_bias or allowed_token_ids is outside the vocabulary "
+                             f"(size {vocab})")
         if params.max_tokens is None:  # up to the context (the server resolves it before it gets here)
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         gen = None if params.greedy else torch.Generator().manual_seed(seed)
+        early = frozenset(self.eos_ids | set(params.stop_token_ids)) if params.min_tokens else frozenset()
+        if params.allowed_token_ids is not None and early.issuperset(params.allowed_token_ids):
+            raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens bans: nothing could be "
+                             "generated")
         seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_ids=ids, params=params,
                        generator=gen, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
-                       early_stop_ids=self.eos_ids | set(params.stop_token_ids) if params.min_tokens else frozenset(),
-                       spec_enabled=spec, block_size=block_size)
+                       early_stop_ids=early, spec_enabled=spec, block_size=block_size)
         self.seqs[request_id] = seq
         self.planner.waiting.append(seq)
         return seq
@@ -193,6 +201,7 @@ class Engine:
                                      custom_masks=masks, positions=positions)
         accept(works, result.logits, self.spec)
         attach_logprobs(works, result.logits)
+        attach_prompt_logprobs(works, result.hidden, self.runner.model)
         touched = self._commit(works, result)
         if not prefill:  # the acceptance read the logits, so the pass has finished on any device
             self.spec.observe_step(len(rows), time.perf_counter() - t0 - t_draft)

@@ -1,4 +1,5 @@
-"""Per-request changes to the target's logits before acceptance: min_tokens and the penalties.
+"""Per-request changes to the target's logits before acceptance: min_tokens, the penalties,
+logit_bias and allowed_token_ids.
 
 Each verified row predicts one output position. What comes before that position is the
 request's prompt and output so far plus the drafts on the way from the anchor to the row (a
@@ -9,7 +10,7 @@ as they are (a copy is processed): logprobs report them, as vLLM's do by default
 
 Penalties follow vLLM: repetition (HF's: a seen token's positive logit divided by it, a negative
 one multiplied) over prompt and output; frequency (times the count) and presence (once) over
-the output only.
+the output only. Then the logit bias is added and tokens outside allowed_token_ids are masked.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def row_prefixes(w: Work, n: int) -> list[list[int]]:
 
 def _active(w: Work) -> bool:
     p = w.seq.params
-    return (len(w.seq.output_ids) < p.min_tokens and bool(w.seq.early_stop_ids)) or p.has_penalties
+    return ((len(w.seq.output_ids) < p.min_tokens and bool(w.seq.early_stop_ids)) or p.has_penalties
+            or p.has_logit_mask)
 
 
 def process_logits(works: list[Work], logits: torch.Tensor | None) -> torch.Tensor | None:
@@ -52,6 +54,8 @@ def process_logits(works: list[Work], logits: torch.Tensor | None) -> torch.Tens
         prefixes = row_prefixes(w, n)
         if w.seq.params.has_penalties:
             logits[at:at + n] = _penalize(w, logits[at:at + n], prefixes)
+        if w.seq.params.has_logit_mask:
+            _bias(w, logits[at:at + n])
         _ban_early_stops(w, logits[at:at + n], prefixes)
     return logits
 
@@ -74,6 +78,18 @@ def _penalize(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> torch.T
         r = p.repetition_penalty
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
     return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+
+def _bias(w: Work, rows: torch.Tensor) -> None:
+    """Add the request's logit bias and mask what allowed_token_ids leaves out (in place)."""
+    p, dev = w.seq.params, rows.device
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+        rows[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=rows.dtype, device=dev)
+    if p.allowed_token_ids is not None:
+        banned = torch.ones(rows.shape[-1], dtype=torch.bool, device=dev)
+        banned[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = False
+        rows[:, banned] = float("-inf")
 
 
 def _ban_early_stops(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> None:

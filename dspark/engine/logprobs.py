@@ -1,4 +1,5 @@
-"""Log-probabilities of the tokens a step commits, from the target logits of that step's pass.
+"""Log-probabilities of the tokens a step commits, from the target logits of that step's pass,
+and of the prompt's tokens, from the prefill rows' hidden states.
 
 As vLLM's default (raw logprobs): the log-softmax of the target's unprocessed logits, before
 temperature, top-k or top-p. Every committed token was predicted by one verified row (a chain's
@@ -35,22 +36,54 @@ def attach_logprobs(works: list[Work], logits: torch.Tensor | None) -> None:
     if not picks:
         return
     rows = torch.tensor([r for _, rs in picks for r in rs], device=logits.device)
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)
-    toks = torch.tensor([t for w, _ in picks for t in w.new_tokens], device=logits.device)
+    entries = token_logprobs(logits[rows], [t for w, _ in picks for t in w.new_tokens],
+                             [w.seq.params.logprobs for w, _ in picks for _ in w.new_tokens])
+    i = 0
+    for w, _ in picks:
+        w.logprobs, i = entries[i:i + len(w.new_tokens)], i + len(w.new_tokens)
+
+
+def attach_prompt_logprobs(works: list[Work], hidden: torch.Tensor, model, chunk: int = 256) -> None:
+    """Append to `seq.prompt_logprobs` (None for the first prompt token, then one TokenLogprob per
+    prompt token) from the prefill rows of every request that asks. A prefill chunk's row i
+    predicts the token after it; positions already scored (a preempted request's second prefill)
+    and output tokens are skipped. The LM head runs `chunk` rows at a time to bound memory."""
+    rows, toks, ks, owners = [], [], [], []
+    for w in works:
+        seq = w.seq
+        if w.kind != "prefill" or seq.params.prompt_logprobs is None:
+            continue
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)
+        start = seq.num_cached
+        for i in range(len(w.tokens)):
+            nxt = start + i + 1
+            if len(seq.prompt_logprobs) <= nxt < len(seq.prompt_ids):
+                rows.append(w.first_row + i)
+                toks.append(seq.prompt_ids[nxt])
+                ks.append(seq.params.prompt_logprobs)
+                owners.append(seq)
+    for at in range(0, len(rows), chunk):
+        idx = torch.tensor(rows[at:at + chunk], device=hidden.device)
+        entries = token_logprobs(model.logits(hidden[idx]), toks[at:at + chunk], ks[at:at + chunk])
+        for seq, e in zip(owners[at:at + chunk], entries):
+            seq.prompt_logprobs.append(e)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Row i's log-softmax value of tokens[i], its rank and the ks[i] most likely tokens."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    toks = torch.tensor(tokens, device=logits.device)
     chosen = lp.gather(1, toks[:, None])[:, 0]
     ranks = (lp > chosen[:, None]).sum(-1) + 1
-    k = max(w.seq.params.logprobs for w, _ in picks)
+    k = max(ks)
     if k:
         top_v, top_i = _top(lp, k)
     else:
         top_v, top_i = lp[:, :0], lp[:, :0].long()
     chosen, ranks, top_v, top_i = chosen.tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist()
-    i = 0
-    for w, _ in picks:
-        kw = w.seq.params.logprobs
-        w.logprobs = [TokenLogprob(chosen[i + j], ranks[i + j], list(zip(top_i[i + j][:kw], top_v[i + j][:kw])))
-                      for j in range(len(w.new_tokens))]
-        i += len(w.new_tokens)
+    return [TokenLogprob(chosen[j], ranks[j], list(zip(top_i[j][:ks[j]], top_v[j][:ks[j]])))
+            for j in range(len(tokens))]
 
 
 def _top(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

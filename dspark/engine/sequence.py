@@ -84,6 +84,7 @@ class Sequence:
     early_stop_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # logprobs.TokenLogprob per output token, when asked
+    prompt_logprobs: list = field(default_factory=list)  # None, then a TokenLogprob per prompt token, when asked
     num_cached: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -141,7 +142,9 @@ class Sequence:
             finish_reason=self.finish_reason, stop_reason=self.stop_reason, stats=self.stats, ttft=ttft,
             decode_time=end - self.first_token_time if self.first_token_time else None,
             num_preemptions=self.num_preemptions,
-            logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None)
+            logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None,
+            # complete once the prompt is prefilled, which is before any output
+            prompt_logprobs=self.prompt_logprobs if self.params.prompt_logprobs is not None else None)
 
 
 @dataclass
@@ -162,6 +165,7 @@ class RequestOutput:
     decode_time: float | None = None  # seconds from the first token to the last
     num_preemptions: int = 0
     logprobs: list | None = None  # logprobs.TokenLogprob per token of token_ids, when the request asked
+    prompt_logprobs: list | None = None  # None, then a TokenLogprob per later prompt token, when asked
 
     @property
     def decode_tokens_per_s(self) -> float:

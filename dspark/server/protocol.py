@@ -1,14 +1,15 @@
 """OpenAI request models (as vLLM accepts them), response builders, and the API error type.
 
 Requests are validated strictly: a wrong JSON type is an error, not coerced. Unknown fields
-are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (logit_bias,
-tools, chat echo, ...) are rejected when set to anything but their default.
+are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (tools,
+guided decoding, chat echo, ...) are rejected when set to anything but their default.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -20,14 +21,14 @@ MAX_N = 64  # choices per request, each an engine request of its own
 # declares one of them implements it: logprobs for both, top_logprobs for chat)
 _UNSUPPORTED: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+    "suffix": (None, ""), "tools": (None, []),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
     # vLLM's extra sampling and template fields
     "min_p": (None, 0), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "bad_words": (None, []),
-    "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
     "chat_template": (None,), "tool_choice": (None, "none", "auto"),
 }
 
@@ -92,8 +93,21 @@ class _Common(_Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids as text
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: a non-streamed choice's prompt_logprobs
     speculation: SpeculationOptions | None = None
     user: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails this too
+                raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
+        return v
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Sampling settings with vLLM's defaults (temperature 1, top_p 1, top_k off)."""
@@ -104,7 +118,9 @@ class _Common(_Strict):
             max_tokens=max_tokens or max(1, self.min_tokens),  # None: the scheduler fills in the context's room
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=self.num_logprobs(),
+            min_tokens=self.min_tokens, logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
             repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty))
@@ -115,21 +131,18 @@ class _Common(_Strict):
         """Alternatives to return per output token (0: only its own logprob); None: no logprobs."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives the engine should score per prompt token (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
 
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
-    prompt: Any
+    prompt: Any  # validated into a list of prompts, each a string or token ids
     max_tokens: int | None = Field(16, ge=1)  # vLLM's default; null: up to the context
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, v: bool | None, info: ValidationInfo) -> bool | None:
-        if v and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
-        return v
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -139,19 +152,27 @@ class CompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs lists the prompt's tokens with theirs (lm-evaluation-harness scores
+        text this way)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
-        """One prompt: a string or token ids (a list of exactly one of either is unwrapped)."""
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]
-        if isinstance(v, str):
+    def _prompt(cls, v: Any) -> list[str | list[int]]:
+        """A string, token ids, or a list of either (a batch: one choice per prompt, times n)."""
+        if _one_prompt(v):
+            return [v]
+        if isinstance(v, list) and v and all(_one_prompt(p) for p in v):
             return v
-        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            return v
-        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError("batched prompts are not supported: send one prompt per request")
-        raise ValueError("prompt must be a string or a non-empty list of token ids")
+        raise ValueError("prompt must be a string, a non-empty list of token ids, or a non-empty list of those")
+
+
+def _one_prompt(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and bool(v)
+                                  and all(isinstance(t, int) and not isinstance(t, bool) for t in v))
 
 
 class ContentPart(_Strict):
@@ -231,18 +252,39 @@ def _lp(x: float) -> float:
 
 def completion_logprobs(entries: list, token_ids: list[int], decode: Callable[[int], str],
                         text_offset: int = 0) -> dict:
-    """The legacy completions `logprobs` object for these tokens (logprobs.TokenLogprob each):
-    token strings, their logprobs, the top alternatives (with the token itself, as vLLM does)
-    and each token's character offset into the completion text (from text_offset on)."""
+    """The legacy completions `logprobs` object for these tokens (logprobs.TokenLogprob each, or
+    None for an echoed prompt's first token, which nothing predicts): token strings, their
+    logprobs, the top alternatives (with the token itself, as vLLM does) and each token's
+    character offset into the text (from text_offset on)."""
     tokens = [decode(t) for t in token_ids]
     offsets = []
     for s in tokens:
         offsets.append(text_offset)
         text_offset += len(s)
-    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": [{decode(t): _lp(v) for t, v in e.top} | {s: _lp(e.logprob)}
+    return {"tokens": tokens, "token_logprobs": [None if e is None else _lp(e.logprob) for e in entries],
+            "top_logprobs": [None if e is None else {decode(t): _lp(v) for t, v in e.top} | {s: _lp(e.logprob)}
                              for e, s in zip(entries, tokens)],
             "text_offset": offsets}
+
+
+def cut_top(entry, k: int):  # noqa: ANN001, ANN201 - a logprobs.TokenLogprob or None
+    """The entry with at most k alternatives (the engine scores the most any field asks for)."""
+    return entry if entry is None or len(entry.top) <= k else replace(entry, top=entry.top[:k])
+
+
+def vllm_prompt_logprobs(entries: list, token_ids: list[int], k: int, decode: Callable[[int], str]) -> list:
+    """vLLM's `prompt_logprobs` for a choice: None for the first prompt token, then for each token
+    {token id: {"logprob", "rank", "decoded_token"}} over the token itself and its k alternatives."""
+    out: list = []
+    for e, tok in zip(entries, token_ids):
+        if e is None:
+            out.append(None)
+            continue
+        ranked = [(t, v, r) for r, (t, v) in enumerate(e.top[:k], start=1)]
+        if tok not in (t for t, _, _ in ranked):
+            ranked.insert(0, (tok, e.logprob, e.rank))
+        out.append({str(t): {"logprob": _lp(v), "rank": r, "decoded_token": decode(t)} for t, v, r in ranked})
+    return out
 
 
 def chat_logprobs(entries: list, token_ids: list[int], decode: Callable[[int], str]) -> dict:

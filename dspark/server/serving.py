@@ -27,9 +27,11 @@ from dspark.server.protocol import (
     chat_logprobs,
     completion_body,
     completion_logprobs,
+    cut_top,
     parse_request,
     usage,
     usage_chunk,
+    vllm_prompt_logprobs,
 )
 
 if TYPE_CHECKING:
@@ -61,10 +63,13 @@ def _nth_seed(seed: int | None, i: int) -> int | None:
 
 @dataclass
 class _Choice:
-    """One of a request's n choices: its engine stream and what a stream has sent of it."""
+    """One of a request's choices (n per prompt): its engine stream and what a stream has sent."""
 
     index: int
     stream: RequestStream
+    first_of_prompt: bool = True  # the prompt's first choice: its prompt tokens count in usage
+    echo: str = ""  # completions with echo: the prompt's text, sent before the completion's
+    echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens lead the first logprobs sent
     logprobs_sent: int = 0  # output tokens whose logprobs were sent
     text_offset: int = 0  # completion characters those tokens span (the next text_offset)
     final: RequestOutput | None = None
@@ -80,7 +85,8 @@ class _Generation:
         self.model = ""
         self.spec = SpeculationOptions()
         self.choices: list[_Choice] = []
-        self.echo = ""  # completions with echo: the prompt's text, sent before the completion's
+        self.num_logprobs: int | None = None
+        self.prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, when asked
         self.token_text: dict[int, str] = {}  # token id -> its text, for logprobs (alternatives repeat)
 
     async def run(self) -> Response:
@@ -91,25 +97,34 @@ class _Generation:
         sched = st.require_ready()
         self.model = st.check_model(req.model)
         if self.chat:
-            prompt: Any = [m.as_dict() for m in req.messages]
+            prompts: list[Any] = [[m.as_dict() for m in req.messages]]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         else:
-            prompt, max_tokens = req.prompt, req.max_tokens
+            prompts, max_tokens = req.prompt, req.max_tokens
         self.spec = req.speculation or SpeculationOptions()
         self._check_block_size()
+        if req.stream and req.prompt_logprobs is not None:  # as vLLM
+            raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         n = req.n or 1
-        if n > sched.capacity:
-            raise APIError(400, f"n={n} is more than this server ever holds at once ({sched.capacity} requests)",
-                           param="n")
+        total = n * len(prompts)
+        if total > sched.capacity:
+            what = f"n={n}" if len(prompts) == 1 else f"{len(prompts)} prompts x n={n}"
+            raise APIError(400, f"{what} is more than this server ever holds at once ({sched.capacity} requests)",
+                           param="n" if len(prompts) == 1 else "prompt")
+        echo = not self.chat and bool(req.echo)
+        self.num_logprobs, self.prompt_logprobs = req.num_logprobs(), req.prompt_logprobs
         try:
             params = req.sampling_params(max_tokens)
-            if sched.num_active + n > sched.capacity:  # all or none: no choice admitted to be aborted
-                raise QueueFullError(f"too many requests in flight ({sched.num_active}) for {n} more; retry later")
-            for i in range(n):
-                stream = await sched.add(self.rid if i == 0 else f"{self.rid}-{i}", prompt,
-                                         replace(params, seed=_nth_seed(params.seed, i)), max_tokens=max_tokens,
+            if sched.num_active + total > sched.capacity:  # all or none: no choice admitted to be aborted
+                raise QueueFullError(f"too many requests in flight ({sched.num_active}) for {total} more; "
+                                     "retry later")
+            for k in range(total):
+                prompt, j = prompts[k // n], k % n
+                stream = await sched.add(self.rid if k == 0 else f"{self.rid}-{k}", prompt,
+                                         replace(params, seed=_nth_seed(params.seed, j)), max_tokens=max_tokens,
                                          spec=self.spec.enabled, block_size=self.spec.block_size)
-                self.choices.append(_Choice(i, stream))
+                self.choices.append(_Choice(k, stream, first_of_prompt=j == 0,
+                                            echo_logprobs=echo and self.num_logprobs is not None))
         except BaseException as e:
             self._abort()  # the choices admitted before one was refused (or the handler cancelled)
             if isinstance(e, QueueFullError):
@@ -122,8 +137,10 @@ class _Generation:
             if isinstance(e, ValueError):
                 raise APIError(400, str(e), param=param) from None
             raise
-        if not self.chat and req.echo:  # the prompt as text (token ids decoded once the engine took them)
-            self.echo = prompt if isinstance(prompt, str) else st.engine.tokenizer.decode(prompt)
+        if echo:  # each prompt as text (token ids decoded once the engine took them)
+            for c in self.choices:
+                prompt = prompts[c.index // n]
+                c.echo = prompt if isinstance(prompt, str) else st.engine.tokenizer.decode(prompt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background abort covers a client gone before the generator's first step (Starlette
@@ -150,9 +167,14 @@ class _Generation:
                 raise result
             outs.append(result)
         build = chat_body if self.chat else completion_body
-        choices = [build(self.rid, self.created, self.model, self.echo + out.text, out.finish_reason,
-                         stop_reason=out.stop_reason, logprobs=self._logprobs(out, c), index=c.index)["choices"][0]
-                   for c, out in zip(self.choices, outs)]
+        choices = []
+        for c, out in zip(self.choices, outs):
+            choice = build(self.rid, self.created, self.model, c.echo + out.text, out.finish_reason,
+                           stop_reason=out.stop_reason, logprobs=self._logprobs(out, c), index=c.index)["choices"][0]
+            if self.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids,
+                                                                 self.prompt_logprobs, self._token_text)
+            choices.append(choice)
         body = build(self.rid, self.created, self.model, "", None, self._usage(outs), self._speculation(outs))
         return JSONResponse(body | {"choices": choices})
 
@@ -176,9 +198,9 @@ class _Generation:
             total.add(out.stats)
         return {**total.as_dict(), "drafter": self.state.engine.spec.name, "enabled": self.spec.enabled}
 
-    @staticmethod
-    def _usage(outs: list[RequestOutput]) -> dict:
-        return usage(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs))
+    def _usage(self, outs: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for c, o in zip(self.choices, outs) if c.first_of_prompt)
+        return usage(prompt, sum(len(o.token_ids) for o in outs))
 
     async def _collect(self, stream: RequestStream) -> RequestOutput:
         async def watch() -> None:  # abort when the client goes away
@@ -201,13 +223,18 @@ class _Generation:
         return out
 
     def _logprobs(self, out: RequestOutput, c: _Choice) -> dict | None:
-        """The logprobs of the choice's output tokens not yet sent (all of them outside a stream)."""
+        """The logprobs of the choice's output tokens not yet sent (all of them outside a stream),
+        after the prompt's own when it is echoed with logprobs and not sent yet."""
         if out.logprobs is None:
             return None
         start, c.logprobs_sent = c.logprobs_sent, len(out.logprobs)
         entries, ids = out.logprobs[start:], out.token_ids[start:len(out.logprobs)]
         if self.chat:
             return chat_logprobs(entries, ids, self._token_text)
+        if c.echo_logprobs:
+            c.echo_logprobs = False
+            entries = [cut_top(e, self.num_logprobs) for e in out.prompt_logprobs] + entries
+            ids = out.prompt_token_ids + ids
         body = completion_logprobs(entries, ids, self._token_text, c.text_offset)
         c.text_offset += sum(len(s) for s in body["tokens"])
         return body
@@ -223,7 +250,10 @@ class _Generation:
         spec = self._speculation([out]) if out.finished else None
         stop = out.stop_reason if out.finished else None
         build = chat_body if self.chat else completion_body
-        return build(self.rid, self.created, self.model, out.new_text, finish, speculation=spec, chunk=True,
+        text = out.new_text
+        if c.echo_logprobs:  # the echo waited for the prompt's logprobs, which come with the first output
+            text = c.echo + text
+        return build(self.rid, self.created, self.model, text, finish, speculation=spec, chunk=True,
                      stop_reason=stop, logprobs=self._logprobs(out, c), index=c.index)
 
     async def _outputs(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
@@ -268,14 +298,14 @@ class _Generation:
                 if self.chat:
                     yield chunk(chat_body(self.rid, self.created, self.model, "", None, chunk=True, role=True,
                                           index=c.index))
-                elif self.echo:
-                    yield chunk(completion_body(self.rid, self.created, self.model, self.echo, None, chunk=True,
+                elif c.echo and not c.echo_logprobs:
+                    yield chunk(completion_body(self.rid, self.created, self.model, c.echo, None, chunk=True,
                                                 index=c.index))
             async with contextlib.aclosing(self._outputs()) as outputs:
                 async for c, out in outputs:
                     if out.finished and out.finish_reason == "abort":
                         raise RequestAborted("the request was aborted")
-                    if out.new_text or out.finished:
+                    if out.new_text or out.finished or (c.echo_logprobs and out.token_ids):
                         yield chunk(self._chunk(out, c))
                     c.final = out
             finals = [c.final for c in self.choices]

@@ -9,30 +9,18 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from dspark.engine.sequence import RequestOutput, SpecStats
+from dspark.engine.sequence import RequestOutput
 from dspark.scheduler.scheduler import EngineError, QueueFullError, RequestAborted, RequestStream, UnavailableError
-from dspark.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SpeculationOptions,
-    chat_body,
-    chat_logprobs,
-    completion_body,
-    completion_logprobs,
-    cut_top,
-    parse_request,
-    usage,
-    usage_chunk,
-    vllm_prompt_logprobs,
-)
+from dspark.server.choices import Choice, ChoiceRenderer
+from dspark.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculationOptions, parse_request
+from dspark.server.responses import usage_chunk
 
 if TYPE_CHECKING:
     from dspark.server.app import ServerState
@@ -61,33 +49,15 @@ def _nth_seed(seed: int | None, i: int) -> int | None:
     return seed + i if seed + i < 2**64 else seed + i - 2**64
 
 
-@dataclass
-class _Choice:
-    """One of a request's choices (n per prompt): its engine stream and what a stream has sent."""
-
-    index: int
-    stream: RequestStream
-    first_of_prompt: bool = True  # the prompt's first choice: its prompt tokens count in usage
-    echo: str = ""  # completions with echo: the prompt's text, sent before the completion's
-    echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens lead the first logprobs sent
-    logprobs_sent: int = 0  # output tokens whose logprobs were sent
-    text_offset: int = 0  # completion characters those tokens span (the next text_offset)
-    final: RequestOutput | None = None
-
-
 class _Generation:
     """One completion or chat request from admission to its response (n choices)."""
 
     def __init__(self, state: ServerState, request: Request, chat: bool):
         self.state, self.request, self.chat = state, request, chat
         self.rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = ""
         self.spec = SpeculationOptions()
-        self.choices: list[_Choice] = []
-        self.num_logprobs: int | None = None
-        self.prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, when asked
-        self.token_text: dict[int, str] = {}  # token id -> its text, for logprobs (alternatives repeat)
+        self.choices: list[Choice] = []
+        self.render: ChoiceRenderer | None = None
 
     async def run(self) -> Response:
         st = self.state
@@ -95,7 +65,7 @@ class _Generation:
         cls = ChatCompletionRequest if self.chat else CompletionRequest
         req = parse_request(cls, await _read_json(self.request))
         sched = st.require_ready()
-        self.model = st.check_model(req.model)
+        model = st.check_model(req.model)
         if self.chat:
             prompts: list[Any] = [[m.as_dict() for m in req.messages]]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -112,7 +82,8 @@ class _Generation:
             raise APIError(400, f"{what} is more than this server ever holds at once ({sched.capacity} requests)",
                            param="n" if len(prompts) == 1 else "prompt")
         echo = not self.chat and bool(req.echo)
-        self.num_logprobs, self.prompt_logprobs = req.num_logprobs(), req.prompt_logprobs
+        self.render = ChoiceRenderer(self.rid, int(time.time()), model, self.chat, st.engine.tokenizer,
+                                     st.engine.spec.name, self.spec.enabled, req.num_logprobs(), req.prompt_logprobs)
         try:
             params = req.sampling_params(max_tokens)
             if sched.num_active + total > sched.capacity:  # all or none: no choice admitted to be aborted
@@ -123,8 +94,8 @@ class _Generation:
                 stream = await sched.add(self.rid if k == 0 else f"{self.rid}-{k}", prompt,
                                          replace(params, seed=_nth_seed(params.seed, j)), max_tokens=max_tokens,
                                          spec=self.spec.enabled, block_size=self.spec.block_size)
-                self.choices.append(_Choice(k, stream, first_of_prompt=j == 0,
-                                            echo_logprobs=echo and self.num_logprobs is not None))
+                self.choices.append(Choice(k, stream, first_of_prompt=j == 0,
+                                           echo_logprobs=echo and req.num_logprobs() is not None))
         except BaseException as e:
             self._abort()  # the choices admitted before one was refused (or the handler cancelled)
             if isinstance(e, QueueFullError):
@@ -166,17 +137,7 @@ class _Generation:
             if isinstance(result, BaseException):
                 raise result
             outs.append(result)
-        build = chat_body if self.chat else completion_body
-        choices = []
-        for c, out in zip(self.choices, outs):
-            choice = build(self.rid, self.created, self.model, c.echo + out.text, out.finish_reason,
-                           stop_reason=out.stop_reason, logprobs=self._logprobs(out, c), index=c.index)["choices"][0]
-            if self.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids,
-                                                                 self.prompt_logprobs, self._token_text)
-            choices.append(choice)
-        body = build(self.rid, self.created, self.model, "", None, self._usage(outs), self._speculation(outs))
-        return JSONResponse(body | {"choices": choices})
+        return JSONResponse(self.render.body(self.choices, outs))
 
     def _abort(self) -> None:
         for c in self.choices:
@@ -190,17 +151,6 @@ class _Generation:
         if self.spec.block_size > top:
             raise APIError(400, f"speculation.block_size must be in [1, {top}] for drafter {spec.name}",
                            param="speculation.block_size")
-
-    def _speculation(self, outs: list[RequestOutput]) -> dict:
-        """The speculation counters of the request: every choice's, summed."""
-        total = SpecStats()
-        for out in outs:
-            total.add(out.stats)
-        return {**total.as_dict(), "drafter": self.state.engine.spec.name, "enabled": self.spec.enabled}
-
-    def _usage(self, outs: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for c, o in zip(self.choices, outs) if c.first_of_prompt)
-        return usage(prompt, sum(len(o.token_ids) for o in outs))
 
     async def _collect(self, stream: RequestStream) -> RequestOutput:
         async def watch() -> None:  # abort when the client goes away
@@ -222,45 +172,11 @@ class _Generation:
             raise APIError(503, "the request was aborted")
         return out
 
-    def _logprobs(self, out: RequestOutput, c: _Choice) -> dict | None:
-        """The logprobs of the choice's output tokens not yet sent (all of them outside a stream),
-        after the prompt's own when it is echoed with logprobs and not sent yet."""
-        if out.logprobs is None:
-            return None
-        start, c.logprobs_sent = c.logprobs_sent, len(out.logprobs)
-        entries, ids = out.logprobs[start:], out.token_ids[start:len(out.logprobs)]
-        if self.chat:
-            return chat_logprobs(entries, ids, self._token_text)
-        if c.echo_logprobs:
-            c.echo_logprobs = False
-            entries = [cut_top(e, self.num_logprobs) for e in out.prompt_logprobs] + entries
-            ids = out.prompt_token_ids + ids
-        body = completion_logprobs(entries, ids, self._token_text, c.text_offset)
-        c.text_offset += sum(len(s) for s in body["tokens"])
-        return body
-
-    def _token_text(self, token_id: int) -> str:
-        text = self.token_text.get(token_id)
-        if text is None:
-            text = self.token_text[token_id] = self.state.engine.tokenizer.decode([token_id])
-        return text
-
-    def _chunk(self, out: RequestOutput, c: _Choice) -> dict:
-        finish = out.finish_reason if out.finished else None
-        spec = self._speculation([out]) if out.finished else None
-        stop = out.stop_reason if out.finished else None
-        build = chat_body if self.chat else completion_body
-        text = out.new_text
-        if c.echo_logprobs:  # the echo waited for the prompt's logprobs, which come with the first output
-            text = c.echo + text
-        return build(self.rid, self.created, self.model, text, finish, speculation=spec, chunk=True,
-                     stop_reason=stop, logprobs=self._logprobs(out, c), index=c.index)
-
-    async def _outputs(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+    async def _outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Every choice's outputs as they come, interleaved; an error in any choice is raised."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(c: _Choice) -> None:
+        async def pump(c: Choice) -> None:
             try:
                 async for out in c.stream:
                     await queue.put((c, out))
@@ -295,22 +211,21 @@ class _Generation:
 
         try:
             for c in self.choices:
-                if self.chat:
-                    yield chunk(chat_body(self.rid, self.created, self.model, "", None, chunk=True, role=True,
-                                          index=c.index))
-                elif c.echo and not c.echo_logprobs:
-                    yield chunk(completion_body(self.rid, self.created, self.model, c.echo, None, chunk=True,
-                                                index=c.index))
+                opening = self.render.opening(c)
+                if opening is not None:
+                    yield chunk(opening)
             async with contextlib.aclosing(self._outputs()) as outputs:
                 async for c, out in outputs:
                     if out.finished and out.finish_reason == "abort":
                         raise RequestAborted("the request was aborted")
-                    if out.new_text or out.finished or (c.echo_logprobs and out.token_ids):
-                        yield chunk(self._chunk(out, c))
+                    body = self.render.chunk(out, c)
+                    if body is not None:
+                        yield chunk(body)
                     c.final = out
             finals = [c.final for c in self.choices]
             if include_usage and all(f is not None for f in finals):
-                yield _sse(usage_chunk(self.rid, self.created, self.model, self.chat, self._usage(finals)))
+                r = self.render
+                yield _sse(usage_chunk(r.rid, r.created, r.model, self.chat, r.usage(self.choices, finals)))
         except RequestAborted as e:
             yield _sse(APIError(503, str(e)).body())
         except Exception as e:  # EngineError, or a bug: tell the client inside the stream

@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (used by default on CUDA with the flashinfer backend)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="share the KV cache of identical prompt prefixes between requests")
 
 
 def ignored_flags(args: argparse.Namespace, policy: str, tree_by_method: bool = False) -> list[str]:
@@ -57,7 +59,8 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
                         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        enforce_eager=args.enforce_eager, spec=spec)
+                        enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+                        spec=spec)
 
 
 def check_at_least(args: argparse.Namespace, **bounds: int) -> None:

@@ -170,6 +170,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_batched_tokens: int = 2048  # tokens per forward (prefill chunking)
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the flashinfer backend)
+    enable_prefix_caching: bool = False  # share the KV pages of identical prompt prefixes (vLLM's)
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     seed: int = 0  # seeds the per-request seeds of requests that give none (reproducible runs, as vLLM)
     spec: SpecConfig = field(default_factory=SpecConfig)

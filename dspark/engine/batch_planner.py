@@ -79,23 +79,35 @@ class BatchPlanner:
                 # would only be preempted again)
                 if len(self.running) >= self.config.max_num_seqs or preempted:
                     break
+                self._match_prefix(seq)
             n = min(budget, seq.prefill_target - seq.num_cached)
             if not seq.output_ids and n == seq.prefill_target - seq.num_cached == 0:
                 continue
             room = self.pool.capacity(seq.seq_id) - seq.num_cached - keep_free * self.pool.page_size
-            if seq.status is Status.WAITING and room <= seq.prefill_target - seq.num_cached:
-                break  # admitted only with room for its whole prompt and first token, as in vLLM
             n = min(n, room)
-            if n <= 0:
+            # admitted only with room for its whole prompt and first token, as in vLLM
+            if n <= 0 or (seq.status is Status.WAITING and room <= seq.prefill_target - seq.num_cached):
+                if seq.status is Status.WAITING:  # gives back the cached pages it matched
+                    self.pool.free(seq.seq_id)
+                    seq.num_cached = 0
                 break
             if seq.status is Status.WAITING:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+                self.pool.prefix_queries += seq.prefill_target
+                self.pool.prefix_hits += seq.num_cached
             self.pool.reserve(seq.seq_id, seq.num_cached + n)
             prefill.append((seq, n))
             budget -= n
         return prefill
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Start a request from the cached pages its tokens begin with (prefix caching), leaving
+        at least one token to compute. A request that asks for its prompt's logprobs computes
+        every position."""
+        if self.pool.prefix_caching and seq.params.prompt_logprobs is None:
+            seq.num_cached = self.pool.match_prefix(seq.seq_id, seq.all_ids, seq.prefill_target - 1)
 
     def _pick_victim(self, exclude: Sequence) -> Sequence | None:
         """The newest running request admitted after `exclude`; None when `exclude` is the newest,

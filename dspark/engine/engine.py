@@ -60,7 +60,7 @@ class Engine:
         self.eos_ids = frozenset(eos)
         page_size = config.page_size
         num_pages = max(1, config.kv_cache_tokens // page_size)
-        self.pool = PagePool(num_pages, page_size)
+        self.pool = PagePool(num_pages, page_size, prefix_caching=config.enable_prefix_caching)
         # a few pages past the pool's own: the padding requests of CUDA graphs write there
         self.scratch_pages = list(range(num_pages, num_pages + -(-SCRATCH_TOKENS // page_size)))
         self.kv_pages = num_pages + len(self.scratch_pages)
@@ -225,10 +225,14 @@ class Engine:
             ctx_rows.append((seq, start, [w.first_row + r for r in w.kept_rows]))
             seq.num_cached += keep
         self.spec.commit(ctx_rows, result)
+        # a page is shared only once the drafter's context for it is written too
+        share = self.pool.prefix_caching and not self.spec.context_pending()
         for w in works:
             if not w.seq.is_finished:
                 self.pool.truncate(w.seq.seq_id, w.seq.num_cached)
                 self.pool.tables[w.seq.seq_id].num_tokens = w.seq.num_cached
+                if share:
+                    self.pool.register(w.seq.seq_id, w.seq.all_ids, w.seq.num_cached)
         return [w.seq for w in works]
 
     def _compact(self, seq: Sequence, start: int, kept: list[int]) -> None:

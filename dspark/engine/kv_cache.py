@@ -4,12 +4,22 @@ The target model and the drafter share page tables: a drafter's context cache
 always holds exactly the positions the target has cached, so both are sized,
 grown and rolled back together. Each model owns its own K/V tensors indexed
 by the same page ids.
+
+With prefix caching (vLLM's automatic prefix caching), a full page of committed tokens is
+registered under a hash of every token up to its end; a new request whose prompt starts with
+the same pages takes them (shared, counted by reference) instead of computing them again.
+A registered page nobody holds stays cached until a new allocation needs it (least recently
+freed first). Only full, committed pages are shared, so the positions a step writes (the
+tokens it adds, its drafts, a tree's compaction) always lie in the request's own pages.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -23,25 +33,91 @@ class PageTable:
 
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    hashes: list[bytes] = field(default_factory=list)  # of its first full pages (prefix caching)
 
 
 class PagePool:
-    """Allocates pages to sequences; grows, frees and rolls back their tables."""
+    """Allocates pages to sequences; grows, frees and rolls back their tables; with
+    prefix_caching, shares the full pages of identical prefixes between them."""
 
-    def __init__(self, num_pages: int, page_size: int = 16):
+    def __init__(self, num_pages: int, page_size: int = 16, prefix_caching: bool = False):
         if num_pages < 1:
             raise ValueError("the KV cache needs at least one page")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.prefix_caching = prefix_caching
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self.tables: dict[int, PageTable] = {}
+        self._refs = [0] * num_pages
+        self._page_of: dict[bytes, int] = {}  # prefix hash -> the page holding it
+        self._hash_of: dict[int, bytes] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # registered pages nobody holds, oldest first
+        self.prefix_queries = 0  # tokens of admitted requests looked up, and how many were found
+        self.prefix_hits = 0  # (vLLM's prefix_cache_queries and prefix_cache_hits)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._cached)
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_pages
+        return 1.0 - self.num_free / self.num_pages
+
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        else:  # evict the cached page freed longest ago
+            page, _ = self._cached.popitem(last=False)
+            del self._page_of[self._hash_of.pop(page)]
+        self._refs[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            if page in self._hash_of:
+                self._cached[page] = None
+            else:
+                self._free.append(page)
+
+    def _hash(self, parent: bytes, tokens) -> bytes:
+        data = np.asarray(tokens, dtype=np.int64).tobytes()
+        return hashlib.blake2b(parent + data, digest_size=16).digest()
+
+    def match_prefix(self, seq_id: int, token_ids: list[int], limit: int) -> int:
+        """Give a sequence without pages the cached pages its tokens start with, at most `limit`
+        tokens' worth (leave the caller a token to compute); returns the tokens now cached."""
+        if not self.prefix_caching or self.tables.get(seq_id, PageTable()).pages:
+            return 0
+        table = self.tables.setdefault(seq_id, PageTable())
+        ps, parent = self.page_size, b""
+        for i in range(limit // ps):
+            h = self._hash(parent, token_ids[i * ps:(i + 1) * ps])
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            self._cached.pop(page, None)
+            self._refs[page] += 1
+            table.pages.append(page)
+            table.hashes.append(h)
+            parent = h
+        table.num_tokens = len(table.pages) * ps
+        return table.num_tokens
+
+    def register(self, seq_id: int, token_ids: list[int], num_cached: int) -> None:
+        """Make the full pages among a sequence's first num_cached tokens (computed, committed)
+        available to later requests with the same prefix."""
+        table = self.tables.get(seq_id)
+        if not self.prefix_caching or table is None:
+            return
+        ps = self.page_size
+        for i in range(len(table.hashes), min(num_cached // ps, len(table.pages))):
+            h = self._hash(table.hashes[-1] if table.hashes else b"", token_ids[i * ps:(i + 1) * ps])
+            table.hashes.append(h)
+            page = table.pages[i]
+            if h not in self._page_of and page not in self._hash_of:  # else another page holds it already
+                self._page_of[h] = page
+                self._hash_of[page] = h
 
     def pages_needed(self, seq_id: int, num_tokens: int) -> int:
         """Extra pages seq_id needs to hold num_tokens tokens in total."""
@@ -51,19 +127,19 @@ class PagePool:
     def capacity(self, seq_id: int) -> int:
         """Most tokens seq_id could hold if it took every free page."""
         have = len(self.tables[seq_id].pages) if seq_id in self.tables else 0
-        return (have + len(self._free)) * self.page_size
+        return (have + self.num_free) * self.page_size
 
     def can_reserve(self, seq_id: int, num_tokens: int) -> bool:
-        return self.pages_needed(seq_id, num_tokens) <= len(self._free)
+        return self.pages_needed(seq_id, num_tokens) <= self.num_free
 
     def reserve(self, seq_id: int, num_tokens: int) -> PageTable:
         """Ensure seq_id has pages for num_tokens tokens (does not change num_tokens)."""
         table = self.tables.setdefault(seq_id, PageTable())
         need = self.pages_needed(seq_id, num_tokens)
-        if need > len(self._free):
-            raise OutOfPages(f"need {need} pages, {len(self._free)} free")
+        if need > self.num_free:
+            raise OutOfPages(f"need {need} pages, {self.num_free} free")
         for _ in range(need):
-            table.pages.append(self._free.pop())
+            table.pages.append(self._take())
         return table
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
@@ -71,13 +147,17 @@ class PagePool:
         table = self.tables[seq_id]
         keep = -(-num_tokens // self.page_size)
         while len(table.pages) > keep:
-            self._free.append(table.pages.pop())
+            self._release(table.pages.pop())
+        del table.hashes[keep:]
         table.num_tokens = min(table.num_tokens, num_tokens)
 
     def free(self, seq_id: int) -> None:
+        """Release every page of seq_id; its registered ones stay cached (the last pages of a
+        prefix are evicted first)."""
         table = self.tables.pop(seq_id, None)
         if table is not None:
-            self._free.extend(reversed(table.pages))
+            for page in reversed(table.pages):
+                self._release(page)
 
     def slots(self, seq_id: int, start: int, end: int) -> list[int]:
         """Flat slot ids (page * page_size + offset) for positions [start, end)."""

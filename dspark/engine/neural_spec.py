@@ -233,6 +233,9 @@ class NeuralSpecRunner(SpecRunner):
         if self._skip_steps == 0 or self._pending_rows > self.MAX_PENDING_ROWS:
             self._flush_context()
 
+    def context_pending(self) -> bool:
+        return bool(self._pending)
+
     def _flush_context(self) -> None:
         """Write every pending position into the drafter's cache. A request that finished or was
         preempted since is skipped: its pages are gone, or its new prefill rewrites them."""

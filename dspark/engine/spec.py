@@ -68,3 +68,7 @@ class SpecRunner:
 
     def commit(self, ctx_rows, result) -> None:
         """Called after each forward with (seq, first new position, batch rows kept there in order)."""
+
+    def context_pending(self) -> bool:
+        """Whether committed positions still wait to enter the drafter's context cache."""
+        return False

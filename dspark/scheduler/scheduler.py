@@ -289,7 +289,7 @@ class AsyncEngine:
         self._seen = (st.steps, st.generated)
         self._busy = True
         record = StepRecord(now, len(eng.running), len(eng.waiting), eng.pool.usage(), eng.num_preemptions,
-                            new_tokens, inter, prompt_tokens)
+                            new_tokens, inter, prompt_tokens, eng.pool.prefix_queries, eng.pool.prefix_hits)
         for listener in self.listeners:
             try:
                 listener.on_step(record)

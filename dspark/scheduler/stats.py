@@ -29,6 +29,8 @@ class StepRecord:
     # per generated token: (seconds between two deliveries / tokens delivered, token count)
     inter_token: list[tuple[float, int]] = field(default_factory=list)
     prompt_tokens: int = 0  # prompt tokens of the requests whose first token this step delivered
+    prefix_queries: int = 0  # engine totals: tokens looked up in the prefix cache, and found there
+    prefix_hits: int = 0
 
 
 @dataclass

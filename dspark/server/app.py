@@ -87,7 +87,7 @@ class ServerState:
         """Start serving `engine` (from the event loop)."""
         self.names = self.names or [engine.model_name]
         metrics = ServerMetrics(self.names[0])
-        metrics.set_baseline(engine.num_preemptions)
+        metrics.set_baseline(engine.num_preemptions, engine.pool.prefix_queries, engine.pool.prefix_hits)
         sched = AsyncEngine(engine, self.max_queue, [metrics], self.log_interval, self.metrics_window_s)
         metrics.bind_window(sched.window)
         sched.start()

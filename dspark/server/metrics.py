@@ -66,6 +66,9 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self.success.labels(*lv, reason)
         self.preemptions = counter("num_preemptions", "Requests preempted (and later recomputed).")
+        self.prefix_queries = counter("prefix_cache_queries", "Tokens of admitted requests looked up in the "
+                                      "prefix cache (--enable-prefix-caching).")
+        self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache (not computed again).")
         self.drafts = counter("spec_decode_num_drafts", "Target passes of decoding requests (drafts).")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.verified_tokens = counter("spec_decode_num_verified_tokens",
@@ -78,16 +81,16 @@ class ServerMetrics:
                                             "Tokens committed per target pass (tau) over a recent window.")
         self.tokens_per_s = gauge("generation_tokens_per_second", "Generated tokens/s over a recent window.")
         self._labels = lv
-        self._preemptions_seen = 0
+        self._seen = (0, 0, 0)  # engine totals already counted: preemptions, prefix queries, prefix hits
 
     def bind_window(self, window: RecentWindow) -> None:
         """Read tau and tokens/s from the scheduler's rolling window at scrape time."""
         self.mean_acceptance_length.set_function(window.tau)
         self.tokens_per_s.set_function(window.tokens_per_s)
 
-    def set_baseline(self, num_preemptions: int) -> None:
-        """Start num_preemptions_total from the engine's count when this server attached."""
-        self._preemptions_seen = num_preemptions
+    def set_baseline(self, num_preemptions: int, prefix_queries: int = 0, prefix_hits: int = 0) -> None:
+        """Start the counters of engine totals from the engine's counts when this server attached."""
+        self._seen = (num_preemptions, prefix_queries, prefix_hits)
 
     # StatsListener
     def on_step(self, record: StepRecord) -> None:
@@ -96,9 +99,11 @@ class ServerMetrics:
         self.kv_usage.set(record.kv_usage)
         self.prompt_tokens.inc(record.prompt_tokens)
         self.generation_tokens.inc(record.new_tokens)
-        if record.num_preemptions > self._preemptions_seen:
-            self.preemptions.inc(record.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = record.num_preemptions
+        totals = (record.num_preemptions, record.prefix_queries, record.prefix_hits)
+        for counter, now, seen in zip((self.preemptions, self.prefix_queries, self.prefix_hits), totals, self._seen):
+            if now > seen:
+                counter.inc(now - seen)
+        self._seen = tuple(max(a, b) for a, b in zip(totals, self._seen))
         for value, count in record.inter_token:
             for _ in range(count):
                 self.itl.observe(value)

@@ -1,0 +1,128 @@
+"""Prefix caching: requests that share a prompt prefix share its full KV pages. The pool keeps
+reference counts and evicts only cached pages nobody holds, oldest first; with caching on, every
+request's target and drafter caches still equal a fresh computation after every step (through
+shared pages, chunked prefill, speculation and preemption), and outputs equal an engine without
+it."""
+
+from __future__ import annotations
+
+import pytest
+from spec_helpers import alphabet_prompts, make_engine, run_requests
+from test_spec_cache import check_caches, fresh  # noqa: F401 - fresh is a fixture
+
+from dspark.config import SamplingParams
+from dspark.engine.kv_cache import PagePool
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=30)
+
+
+def test_pool_shares_registered_pages_and_evicts_the_oldest_unheld():
+    pool = PagePool(6, page_size=4, prefix_caching=True)
+    ids = list(range(100, 114))  # 3 full pages + 2 tokens
+    pool.reserve(1, 14)
+    pool.register(1, ids, 14)  # pages 0-2 are full and committed
+    assert pool.match_prefix(2, ids, limit=13) == 12  # all three, shared
+    assert pool.tables[2].pages == pool.tables[1].pages[:3] and pool.num_free == 2
+    assert pool.match_prefix(3, ids[:5] + [0] * 9, limit=13) == 4  # the first page only
+    pool.free(1)
+    pool.free(2)
+    pool.free(3)
+    assert pool.num_free == 6 and pool.usage() == 0.0  # cached pages count as free
+    assert pool.match_prefix(4, ids, limit=11) == 8  # limit: at most two pages
+    pool.free(4)
+    pool.reserve(5, 5 * 4)  # the 3 never-registered pages, then evictions: a prefix's last page first
+    assert pool.match_prefix(6, ids, limit=13) == 4
+    assert pool.num_free == 0 and not pool.can_reserve(7, 1)  # the first page is held by 6 now
+    pool.free(6)
+    assert pool.num_free == 1 and pool.match_prefix(7, ids, limit=13) == 4
+    off = PagePool(4, page_size=4)
+    off.reserve(1, 8)
+    off.register(1, ids, 8)
+    assert off.match_prefix(2, ids, limit=13) == 0
+
+
+@pytest.mark.parametrize("drafter,tree", [("none", False), ("dspark", False), ("dspark", True), ("ngram", False)])
+def test_outputs_and_caches_equal_an_engine_without_it(folders, fresh, drafter, tree):  # noqa: F811
+    """Prompts sharing a long prefix (one of them twice), admitted together and one after
+    another, over chunked prefill: the same tokens as without prefix caching, pages found in
+    the cache, and every cache entry equal to a fresh prefill."""
+    base = alphabet_prompts([41], seed=3)[0]
+    tails = alphabet_prompts([5, 9, 3], seed=4)
+    prompts = [base + tails[0], base + tails[1], base + tails[0], base[:20] + tails[2]]
+    kw = dict(tree=tree, tree_budget=8, max_num_batched_tokens=40)
+    plain = make_engine(folders["target"], folders.get(drafter, drafter), **kw)
+    cached = make_engine(folders["target"], folders.get(drafter, drafter), enable_prefix_caching=True, **kw)
+    want = run_requests(plain, [(p, GREEDY, None) for p in prompts])
+    first = run_requests(cached, [(prompts[0], GREEDY, None)])[0]
+    assert cached.pool.prefix_hits == 0 and first.token_ids == want[0].token_ids
+    for i, p in enumerate(prompts):
+        cached.add_request(f"again-{i}", p, GREEDY)
+    steps = 0
+    while cached.has_unfinished():
+        outs = {o.request_id: o for o in cached.step()}
+        for s in cached.running:
+            if s.num_cached:
+                check_caches(cached, fresh, s)
+        for i in range(len(prompts)):
+            if f"again-{i}" in outs and outs[f"again-{i}"].finished:
+                assert outs[f"again-{i}"].token_ids == want[i].token_ids
+        steps += 1
+        assert steps < 400
+    assert cached.pool.prefix_hits >= 3 * 32 + 16  # three prompts start with the cached 41 tokens
+    if drafter == "dspark":
+        assert cached.spec_stats.accepted > 0
+
+
+def test_preemption_and_eviction_under_a_small_pool(folders, fresh):  # noqa: F811
+    """Nine pages for three requests of ~60 tokens with a shared prefix: preempted requests
+    come back through the cache, evicted pages are recomputed, and output never changes."""
+    base = alphabet_prompts([33], seed=8)[0]
+    prompts = [base + t for t in alphabet_prompts([3, 6, 2], seed=9)]
+    sp = SamplingParams(temperature=0.0, max_tokens=40)
+    kw = dict(kv_cache_tokens=16 * 9, max_num_batched_tokens=40)
+    want = run_requests(make_engine(folders["target"], folders["dspark"], **kw), [(p, sp, None) for p in prompts])
+    engine = make_engine(folders["target"], folders["dspark"], enable_prefix_caching=True, **kw)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, sp)
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        for s in engine.running:
+            if s.num_cached:
+                check_caches(engine, fresh, s)
+    assert engine.num_preemptions > 0 and engine.pool.prefix_hits > 0
+    assert [done[f"p{i}"].token_ids for i in range(3)] == [w.token_ids for w in want]
+
+
+def test_prompt_logprobs_requests_compute_every_position(folders):
+    engine = make_engine(folders["target"], enable_prefix_caching=True)
+    prompt = alphabet_prompts([37], seed=2)[0]
+    run_requests(engine, [(prompt, GREEDY, None)])
+    hits = engine.pool.prefix_hits
+    out = run_requests(engine, [(prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0), None)])[0]
+    assert engine.pool.prefix_hits == hits and len(out.prompt_logprobs) == len(prompt)
+    run_requests(engine, [(prompt, GREEDY, None)])
+    assert engine.pool.prefix_hits == hits + 32
+
+
+def test_server_counts_prefix_cache_tokens(folders):
+    """Over HTTP: a repeated prompt is answered the same, and the prefix cache counters move."""
+    import httpx
+    from server_helpers import metric, scrape, serve
+
+    from dspark.config import EngineConfig, SpecConfig
+    from dspark.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=folders["target"], device="cpu", dtype="float32", enable_prefix_caching=True,
+                                 spec=SpecConfig(drafter="none")))
+    prompt = alphabet_prompts([40], seed=12)[0]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    with serve(engine) as s:
+        outs = [httpx.post(s.url + "/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+        m = scrape(s.url)
+    assert outs[0]["choices"][0]["text"] == outs[1]["choices"][0]["text"]
+    assert metric(m, "dspark:prefix_cache_queries_total") == 2 * 40
+    assert metric(m, "dspark:prefix_cache_hits_total") == 32  # two full pages of 16; the rest is computed

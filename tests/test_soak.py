@@ -2,7 +2,8 @@
 at once: streams and plain JSON, chat and completions (a quarter with logprobs), clients that go away
 mid-answer, bad inputs that must get 400, and long prompts whose prefill is chunked. Every good
 request must get its whole answer, the server must keep answering, and every KV page must be free
-again at the end.
+again at the end. Prefix caching is on for the soak: chats share their template's first page and
+the long prompts share theirs, so pages are shared, released and evicted under aborts too.
 
 Bounded: 240 requests of at most 6 tokens each (3 long prompts), under a hard time limit: about 40 s
 on 2 busy cores."""
@@ -222,6 +223,14 @@ def test_soak_mixed_requests(engine) -> None:
     kinds = {k: sum(j.kind == k for j in jobs) for k in KINDS}
     assert all(kinds.values()), kinds
     t0 = time.monotonic()
+    engine.pool.prefix_caching = True  # on the shared engine, for this test only
+    try:
+        _soak(engine, jobs, kinds, t0)
+    finally:
+        engine.pool.prefix_caching = False
+
+
+def _soak(engine, jobs: list[Job], kinds: dict[str, int], t0: float) -> None:
     with one_thread(), serve(engine) as s:
         asyncio.run(run_jobs(s.url, jobs))
         elapsed = time.monotonic() - t0
@@ -237,7 +246,8 @@ def test_soak_mixed_requests(engine) -> None:
         idle = lambda: (m := scrape(s.url)) and metric(m, "dspark:kv_cache_usage_perc") == 0 and \
             metric(m, "dspark:num_requests_running") == 0 and metric(m, "dspark:num_requests_waiting") == 0
         assert wait_for(idle, 30), "the KV cache is not empty after the soak"
-        assert engine.pool.num_free == engine.pool.num_pages
+        assert engine.pool.num_free == engine.pool.num_pages and not engine.pool.tables  # nothing held
+        assert metric(scrape(s.url), "dspark:prefix_cache_hits_total") > 0
         assert s.state.scheduler.num_active == 0 and not engine.has_unfinished()
         m = scrape(s.url)
         finished = sum(metric(m, "dspark:request_success_total", finished_reason=r) for r in ("stop", "length"))

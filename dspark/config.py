@@ -18,6 +18,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0: disabled)
     max_tokens: int | None = 16  # None: up to the context
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -61,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1
                 or self.top_k > MAX_TOP_K):
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, "

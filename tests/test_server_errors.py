@@ -79,7 +79,7 @@ INVALID = [
     (C, {"prompt": PROMPT, "prompt_logprobs": 21}, "prompt_logprobs"),
     (C, {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     (C, {"prompt": PROMPT, "min_tokens": -1}, "min_tokens"), (C, {"prompt": PROMPT, "min_tokens": 1.5}, "min_tokens"),
-    (C, {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 4}, None), (CHAT, {"messages": MSGS, "min_p": 0.1}, "min_p"),
+    (C, {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 4}, None), (CHAT, {"messages": MSGS, "min_p": 1.5}, "min_p"),
     (CHAT, {"messages": MSGS, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     # past int64 top_k used to fail inside the batched step, failing every request in it (500)
     (C, {"prompt": PROMPT, "top_k": 2**63}, "top_k"), (CHAT, {"messages": MSGS, "top_k": 2**31}, "top_k"),

@@ -132,6 +132,7 @@ class NeuralSpecRunner(SpecRunner):
         temp = torch.tensor([s.params.temperature for s in active], device=dev)
         top_k = torch.tensor([s.params.top_k for s in active], device=dev)
         top_p = torch.tensor([s.params.top_p for s in active], device=dev)
+        min_p = torch.tensor([s.params.min_p for s in active], device=dev)
         u = torch.full((R, nd), 0.5)
         for r, s in enumerate(active):
             if s.generator is not None:
@@ -147,7 +148,7 @@ class NeuralSpecRunner(SpecRunner):
                 if to_target is not None:
                     prev = to_target[prev]
             else:
-                q = warp_logits(logits, temp, top_k, top_p)
+                q = warp_logits(logits, temp, top_k, top_p, min_p)
                 prev = sample(q, u[:, k])
                 probs.append(q)
             tokens.append(prev)

@@ -12,14 +12,17 @@ import torch
 
 
 def warp_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p; rows with temperature 0 become
-    one-hot at the argmax. logits [..., V]; the parameters are [...] tensors."""
+                top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities after temperature, min-p, top-k and top-p (vLLM's order); rows with
+    temperature 0 become one-hot at the argmax. logits [..., V]; the parameters are [...] tensors."""
     logits = logits.float()
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     # shifted so the largest is 0: a tiny temperature sends the rest to -inf, never to inf - inf
     x = (logits - logits.amax(-1, keepdim=True)) / t[..., None]
+    if min_p is not None and bool((min_p > 0).any()):
+        # p < min_p * p_max, in log space with the largest at 0 (the largest itself always stays)
+        x = x.masked_fill(x < min_p.float().log()[..., None], float("-inf"))
     V = x.shape[-1]
     k = torch.where(top_k <= 0, torch.full_like(top_k, V), top_k.clamp(max=V))
     need_filter = bool((k < V).any()) or bool((top_p < 1).any())

@@ -70,11 +70,12 @@ def layout(works: list[Work]) -> tuple[list, list[int], str, list | None, torch.
 
 
 def _params(seqs: list[Sequence], width: int):
+    """Temperature, top-k, top-p and min-p per request, one column per verified slot."""
     t = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
     k = torch.tensor([s.params.top_k for s in seqs])
     p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
-    R = len(seqs)
-    return t[:, None].expand(R, width), k[:, None].expand(R, width), p[:, None].expand(R, width)
+    m = torch.tensor([s.params.min_p for s in seqs], dtype=torch.float32)
+    return tuple(x[:, None].expand(len(seqs), width) for x in (t, k, p, m))
 
 
 def _uniforms(seqs: list[Sequence], needs: list[list[int]], width: int) -> torch.Tensor:

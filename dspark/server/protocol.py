@@ -22,7 +22,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""), "tools": (None, []),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
     # vLLM's extra sampling and template fields
-    "min_p": (None, 0), "include_stop_str_in_output": (None, False),
+    "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
     "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "bad_words": (None, []),
@@ -80,6 +80,7 @@ class _Common(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -112,7 +113,7 @@ class _Common(_Strict):
         params = SamplingParams(
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=0 if self.top_k is None else self.top_k, seed=self.seed,
+            top_k=0 if self.top_k is None else self.top_k, min_p=float(self.min_p or 0.0), seed=self.seed,
             max_tokens=max_tokens or max(1, self.min_tokens),  # None: the scheduler fills in the context's room
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,

@@ -32,6 +32,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be generated (vLLM's)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the output in its text
+    skip_special_tokens: bool = True  # special tokens (other than the stop token) left out of the text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +95,9 @@ class SamplingParams:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         self._validate_logit_mask()
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {k!r}")
 
     def _validate_logit_mask(self) -> None:
         if self.logit_bias is not None:

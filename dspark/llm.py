@@ -9,6 +9,7 @@ from typing import Any
 
 from dspark.config import EngineConfig, SamplingParams, SpecConfig
 from dspark.engine.engine import Engine
+from dspark.engine.prompts import ChatPrompt
 from dspark.engine.sequence import RequestOutput
 
 
@@ -19,7 +20,7 @@ def _is_chat(x: Any) -> bool:
 
 def _one_prompt(p: Any) -> str | list[int] | list[dict]:
     """vLLM's prompt forms for one request: a string, token ids, {"prompt": str},
-    {"prompt_token_ids": ids}, or (ours) a conversation."""
+    {"prompt_token_ids": ids}, or (ours) a conversation, as messages or a ChatPrompt."""
     if isinstance(p, dict):
         if set(p) == {"prompt"} and isinstance(p["prompt"], str):
             return p["prompt"]
@@ -32,7 +33,7 @@ def _one_prompt(p: Any) -> str | list[int] | list[dict]:
 
 def _prompt_list(prompts: Any) -> list:
     """One prompt or a list of them -> a list of prompts."""
-    single = (isinstance(prompts, (str, dict)) or _is_chat(prompts)
+    single = (isinstance(prompts, (str, dict, ChatPrompt)) or _is_chat(prompts)
               or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)))
     return [_one_prompt(prompts)] if single else [_one_prompt(p) for p in prompts]
 

@@ -80,10 +80,16 @@ INVALID = [
     (C, {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     (C, {"prompt": PROMPT, "min_tokens": -1}, "min_tokens"), (C, {"prompt": PROMPT, "min_tokens": 1.5}, "min_tokens"),
     (C, {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 4}, None), (CHAT, {"messages": MSGS, "min_p": 1.5}, "min_p"),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+    (CHAT, {"messages": MSGS, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    (CHAT, {"messages": MSGS, "add_generation_prompt": False, "continue_final_message": True},
+     "continue_final_message"),
+    (CHAT, {"messages": MSGS, "continue_final_message": True}, "continue_final_message"),  # both true
+    (C, {"prompt": PROMPT, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (C, {"prompt": PROMPT, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     # past int64 top_k used to fail inside the batched step, failing every request in it (500)
     (C, {"prompt": PROMPT, "top_k": 2**63}, "top_k"), (CHAT, {"messages": MSGS, "top_k": 2**31}, "top_k"),
-    (CHAT, {"messages": MSGS, "add_generation_prompt": False}, "add_generation_prompt"),
+    (CHAT, {"messages": MSGS, "add_generation_prompt": "no"}, "add_generation_prompt"),
     # completions take logprobs as a count, chat as a flag (with top_logprobs for the count)
     (C, {"prompt": PROMPT, "logprobs": True}, "logprobs"), (CHAT, {"messages": MSGS, "logprobs": 1}, "logprobs"),
     (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),

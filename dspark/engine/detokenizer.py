@@ -10,8 +10,9 @@ def decode_new_text(tokenizer, seq: Sequence, flush: bool = False, end: int | No
     Holds back bytes that do not yet form a whole character (unless flush), decoding only a
     short window of recent tokens."""
     ids = seq.output_ids if end is None else seq.output_ids[:end]
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    skip = seq.params.skip_special_tokens
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
     if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         return full[len(prefix):]

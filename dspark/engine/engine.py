@@ -26,6 +26,7 @@ from dspark.engine.detokenizer import decode_new_text, find_stop
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.logprobs import attach_logprobs, attach_prompt_logprobs
 from dspark.engine.model_runner import ModelRunner
+from dspark.engine.prompts import ChatPrompt, encode_prompt
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.spec import SpecRunner
 from dspark.engine.tree import DraftTree
@@ -103,7 +104,7 @@ class Engine:
         install_graphs(self, capture)
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt: str | list[int] | list[dict],
+    def add_request(self, request_id: str, prompt: str | list[int] | list[dict] | ChatPrompt,
                     params: SamplingParams | None = None, spec: bool = True,
                     block_size: int | None = None) -> Sequence:
         """Queue a request: a prompt string, token ids, or chat messages."""
@@ -112,6 +113,8 @@ class Engine:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.encode(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -137,21 +140,8 @@ class Engine:
         self.planner.waiting.append(seq)
         return seq
 
-    def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
-        if isinstance(prompt, str):  # with the tokenizer's special tokens (a Llama's BOS), as vLLM does
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
-            try:
-                out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            except Exception as e:  # the template's own checks (e.g. roles that must alternate)
-                raise ValueError(f"the chat template rejected the messages: {e}") from e
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
-            return list(prompt)
-        raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
+    def encode(self, prompt: str | list[int] | list[dict] | ChatPrompt) -> list[int]:
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its pages at once; False if it is unknown or finished."""
@@ -279,7 +269,7 @@ class Engine:
         if seq.params.stop and delta and len(seq.output_ids) > seq.params.min_tokens:  # as vLLM
             cut, which = find_stop(seq.text, seq.params.stop, len(delta))
             if cut != -1:
-                seq.text = seq.text[:cut]
+                seq.text = seq.text[:cut + len(which) if seq.params.include_stop_str_in_output else cut]
                 seq.finish_reason, seq.stop_reason = "stop", which
 
     def _finish(self, seq: Sequence, reason: str) -> None:

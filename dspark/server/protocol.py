@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from dspark.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from dspark.engine.prompts import ChatPrompt
 
 MAX_N = 64  # choices per request, each an engine request of its own
 
@@ -22,11 +23,8 @@ _UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""), "tools": (None, []),
     "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
     # vLLM's extra sampling and template fields
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True), "continue_final_message": (None, False), "add_generation_prompt": (None, True),
-    "chat_template_kwargs": (None, {}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
     "chat_template": (None,), "tool_choice": (None, "none", "auto"),
 }
 
@@ -95,6 +93,9 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids as text
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: a non-streamed choice's prompt_logprobs
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
     speculation: SpeculationOptions | None = None
     user: str | None = None
 
@@ -119,7 +120,8 @@ class _Common(_Strict):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=self.allowed_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
             repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty))
@@ -202,6 +204,13 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True  # vLLM's template options (see engine/prompts.py)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_prompt(self) -> ChatPrompt:
+        return ChatPrompt([m.as_dict() for m in self.messages], self.add_generation_prompt,
+                          self.continue_final_message, dict(self.chat_template_kwargs or {}))
 
     @field_validator("top_logprobs")
     @classmethod

@@ -67,7 +67,7 @@ class _Generation:
         sched = st.require_ready()
         model = st.check_model(req.model)
         if self.chat:
-            prompts: list[Any] = [[m.as_dict() for m in req.messages]]
+            prompts: list[Any] = [req.chat_prompt()]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         else:
             prompts, max_tokens = req.prompt, req.max_tokens

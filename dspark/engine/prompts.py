@@ -1,0 +1,68 @@
+"""Prompts into token ids: text, token ids, or chat messages rendered by the model's template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# apply_chat_template's own parameters: template variables may not override them
+_RESERVED = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                       "return_dict", "return_tensors", "tools", "documents", "chat_template", "padding",
+                       "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot render; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ChatPrompt:
+    """Chat messages and how the template renders them (vLLM's chat request options):
+    add_generation_prompt opens the assistant's turn; continue_final_message instead leaves the
+    last (assistant) message open, so the model continues it; template_kwargs are extra template
+    variables (a model's `enable_thinking`, say)."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.messages:
+            raise PromptError("a chat prompt needs at least one message", "messages")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise PromptError("add_generation_prompt and continue_final_message cannot both be true",
+                              "continue_final_message")
+        if self.continue_final_message and self.messages[-1].get("role") != "assistant":
+            raise PromptError("continue_final_message needs the last message to be the assistant's",
+                              "continue_final_message")
+        clash = sorted(_RESERVED & set(self.template_kwargs))
+        if clash:
+            raise PromptError(f"chat_template_kwargs may not set {clash[0]!r}", "chat_template_kwargs")
+
+
+def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | list[dict] | ChatPrompt) -> list[int]:
+    """Token ids of a prompt: a string (with the tokenizer's special tokens, a Llama's BOS, as
+    vLLM does), token ids (checked against the vocabulary), or chat messages."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        prompt = ChatPrompt(prompt)
+    if isinstance(prompt, ChatPrompt):
+        prompt.validate()
+        try:
+            out = tokenizer.apply_chat_template(
+                prompt.messages, add_generation_prompt=prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message, tokenize=True, **prompt.template_kwargs)
+        except Exception as e:  # the template's own checks (e.g. roles that must alternate)
+            raise PromptError(f"the chat template rejected the messages: {e}", "messages") from e
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+        return list(prompt)
+    raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")

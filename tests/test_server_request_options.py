@@ -1,0 +1,70 @@
+"""vLLM's request options over HTTP: include_stop_str_in_output, skip_special_tokens,
+truncate_prompt_tokens, and the chat template's add_generation_prompt, continue_final_message and
+chat_template_kwargs (the default model, n-gram drafter)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_helpers import serve, shared_engine_or_skip
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+COUNT = "Count: one two three four five, one two three four five, one two three"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve(shared_engine_or_skip("ngram")) as s:
+        yield s
+
+
+def _post(s, path: str, body: dict) -> dict:
+    r = httpx.post(s.url + path, json={"model": s.state.names[0], "temperature": 0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_stop_string_kept_when_asked(server):
+    free = _post(server, "/v1/completions", {"prompt": COUNT, "max_tokens": 12})["choices"][0]["text"]
+    stop = free.split()[2]  # a word the output reaches
+    cut = _post(server, "/v1/completions", {"prompt": COUNT, "max_tokens": 12, "stop": [stop]})["choices"][0]
+    kept = _post(server, "/v1/completions", {"prompt": COUNT, "max_tokens": 12, "stop": [stop],
+                                             "include_stop_str_in_output": True})["choices"][0]
+    assert cut["finish_reason"] == kept["finish_reason"] == "stop" and kept["stop_reason"] == stop
+    assert kept["text"] == cut["text"] + stop and free.startswith(kept["text"])
+
+
+def test_special_tokens_shown_when_asked(server):
+    tok = server.state.engine.tokenizer
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    body = {"prompt": COUNT, "max_tokens": 2, "allowed_token_ids": [special], "ignore_eos": True}
+    hidden = _post(server, "/v1/completions", body)["choices"][0]["text"]
+    shown = _post(server, "/v1/completions", {**body, "skip_special_tokens": False})["choices"][0]["text"]
+    assert hidden == "" and shown == "<|im_start|>" * 2
+
+
+def test_truncated_prompt_keeps_its_last_tokens(server):
+    ids = server.state.engine.tokenizer.encode(COUNT)
+    whole = _post(server, "/v1/completions", {"prompt": COUNT, "max_tokens": 6, "truncate_prompt_tokens": 9})
+    last = _post(server, "/v1/completions", {"prompt": ids[-9:], "max_tokens": 6})
+    assert whole["usage"]["prompt_tokens"] == 9 and whole["choices"][0]["text"] == last["choices"][0]["text"]
+
+
+def test_chat_template_options(server):
+    tok = server.state.engine.tokenizer
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    cont = _post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 5,
+                                                  "add_generation_prompt": False, "continue_final_message": True})
+    ids = tok.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert cont["usage"]["prompt_tokens"] == len(ids)
+    same = _post(server, "/v1/completions", {"prompt": ids, "max_tokens": 5})
+    assert cont["choices"][0]["message"]["content"] == same["choices"][0]["text"]
+    plain = _post(server, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 2})
+    bare = _post(server, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 2,
+                                                  "add_generation_prompt": False, "chat_template_kwargs": {"x": 1}})
+    opened = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True)
+    closed = tok.apply_chat_template(msgs[:1], add_generation_prompt=False, tokenize=True)
+    n = [len(x["input_ids"] if hasattr(x, "keys") else x) for x in (opened, closed)]
+    assert (plain["usage"]["prompt_tokens"], bare["usage"]["prompt_tokens"]) == tuple(n) and n[0] > n[1]

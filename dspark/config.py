@@ -11,6 +11,28 @@ MAX_TOP_K = 2**31 - 1
 MAX_LOGPROBS = 20  # most alternatives a token's logprobs may list (vLLM's default max_logprobs)
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain the output (vLLM's structured outputs): exactly one of a JSON schema (as JSON
+    text), any JSON object, a regex, a choice among strings, or an EBNF grammar (GBNF style).
+    `field` names the request field it came from, for error messages."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    field: str = "structured_outputs"
+
+    def validate(self) -> None:
+        given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if sum(given) != 1:
+            raise ValueError(f"{self.field}: give exactly one of json, json_object, regex, choice or grammar")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"{self.field}: choice must be a non-empty list of non-empty strings")
+
+
 @dataclass
 class SamplingParams:
     """How one request samples; field names and defaults follow vLLM's."""
@@ -35,6 +57,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string that ended the output in its text
     skip_special_tokens: bool = True  # special tokens (other than the stop token) left out of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +121,10 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {k!r}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
+            if self.ignore_eos or self.min_tokens:  # the grammar's end is the EOS token
+                raise ValueError(f"{self.structured_outputs.field} cannot be combined with ignore_eos or min_tokens")
 
     def _validate_logit_mask(self) -> None:
         if self.logit_bias is not None:

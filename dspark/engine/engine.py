@@ -29,6 +29,7 @@ from dspark.engine.model_runner import ModelRunner
 from dspark.engine.prompts import ChatPrompt, encode_prompt
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.spec import SpecRunner
+from dspark.engine.structured import GrammarCache
 from dspark.engine.tree import DraftTree
 from dspark.engine.verify import Work, accept, layout
 from dspark.models.llama import LlamaConfig, LlamaModel
@@ -78,6 +79,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # for requests without their own seed
+        self._grammars: GrammarCache | None = None  # compiled on the first structured-output request
         self.draft_time = 0.0  # wall seconds spent in the drafter's proposals (bench: draft_share)
         self.spec_stats = SpecStats()  # engine-wide totals
         self._finished_pending: list[Sequence] = []
@@ -136,6 +138,10 @@ class Engine:
         seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_ids=ids, params=params,
                        generator=gen, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        early_stop_ids=early, spec_enabled=spec, block_size=block_size)
+        if params.structured_outputs is not None:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size)
+            seq.grammar = self._grammars.matcher(params.structured_outputs)
         self.seqs[request_id] = seq
         self.planner.waiting.append(seq)
         return seq
@@ -241,6 +247,8 @@ class Engine:
         count, stop_token = 0, False
         for tok in new:
             seq.output_ids.append(tok)
+            if seq.grammar is not None:  # masked rows only offer what it accepts
+                seq.grammar.accept_token(tok)
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs[count])
             count += 1

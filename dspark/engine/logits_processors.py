@@ -1,5 +1,5 @@
 """Per-request changes to the target's logits before acceptance: min_tokens, the penalties,
-logit_bias and allowed_token_ids.
+logit_bias, allowed_token_ids and structured outputs (structured.py).
 
 Each verified row predicts one output position. What comes before that position is the
 request's prompt and output so far plus the drafts on the way from the anchor to the row (a
@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from dspark.engine.structured import mask_rows
 
 if TYPE_CHECKING:  # verify.py imports this module
     from dspark.engine.verify import Work
@@ -39,7 +41,7 @@ def row_prefixes(w: Work, n: int) -> list[list[int]]:
 def _active(w: Work) -> bool:
     p = w.seq.params
     return ((len(w.seq.output_ids) < p.min_tokens and bool(w.seq.early_stop_ids)) or p.has_penalties
-            or p.has_logit_mask)
+            or p.has_logit_mask or w.seq.grammar is not None)
 
 
 def process_logits(works: list[Work], logits: torch.Tensor | None) -> torch.Tensor | None:
@@ -56,6 +58,8 @@ def process_logits(works: list[Work], logits: torch.Tensor | None) -> torch.Tens
             logits[at:at + n] = _penalize(w, logits[at:at + n], prefixes)
         if w.seq.params.has_logit_mask:
             _bias(w, logits[at:at + n])
+        if w.seq.grammar is not None:
+            mask_rows(w.seq.grammar, logits[at:at + n], prefixes)
         _ban_early_stops(w, logits[at:at + n], prefixes)
     return logits
 

@@ -103,6 +103,7 @@ class Sequence:
     spec_enabled: bool = True
     block_size: int | None = None
     plain_step: bool = False  # this step decodes without drafts: free pages could not hold its drafts
+    grammar: object | None = None  # structured outputs: an xgrammar matcher at the committed output
 
     @property
     def all_ids(self) -> list[int]:

@@ -2,7 +2,7 @@
 
 Requests are validated strictly: a wrong JSON type is an error, not coerced. Unknown fields
 are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (tools,
-guided decoding, chat echo, ...) are rejected when set to anything but their default.
+chat echo, beam search, ...) are rejected when set to anything but their default.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from dspark.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 from dspark.engine.prompts import ChatPrompt
+from dspark.server.constraints import ResponseFormat, StructuredOutputsOptions, requested_constraint
 
 MAX_N = 64  # choices per request, each an engine request of its own
 
@@ -20,12 +21,9 @@ MAX_N = 64  # choices per request, each an engine request of its own
 # declares one of them implements it: logprobs for both, top_logprobs for chat)
 _UNSUPPORTED: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "tools": (None, []),
-    "functions": (None, []), "response_format": (None, {"type": "text"}), "use_beam_search": (None, False),
+    "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "use_beam_search": (None, False),
     # vLLM's extra sampling and template fields
-    "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,), "bad_words": (None, []),
-    "chat_template": (None,), "tool_choice": (None, "none", "auto"),
+    "bad_words": (None, []), "chat_template": (None,), "tool_choice": (None, "none", "auto"),
 }
 
 
@@ -96,18 +94,14 @@ class _Common(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsOptions | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     speculation: SpeculationOptions | None = None
     user: str | None = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not key.isascii() or not key.isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
-            if not -100.0 <= bias <= 100.0:  # NaN fails this too
-                raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
-        return v
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Sampling settings with vLLM's defaults (temperature 1, top_p 1, top_k off)."""
@@ -122,6 +116,7 @@ class _Common(_Strict):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=requested_constraint(self),
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
             repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty))

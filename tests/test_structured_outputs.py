@@ -1,0 +1,112 @@
+"""Structured outputs over HTTP (response_format, structured_outputs, guided_*): the output follows
+the constraint, is the same with and without speculation (greedy), stays valid when sampled, and
+constraints that cannot work are a 400 naming their field (the default model, n-gram drafter)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from server_helpers import error_of, serve, shared_engine_or_skip
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+pytest.importorskip("xgrammar")
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Give me a JSON object describing a person with a name and an age."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve(shared_engine_or_skip("ngram")) as s:
+        yield s
+
+
+def _chat(s, body: dict) -> tuple[str, dict]:
+    r = httpx.post(s.url + "/v1/chat/completions", json={"model": s.state.names[0], "messages": ASK,
+                                                         "temperature": 0, "max_tokens": 48, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["choices"][0]["message"]["content"], out
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}},
+    {"structured_outputs": {"json": PERSON}}, {"guided_json": json.dumps(PERSON)},
+], ids=["response_format", "structured_outputs", "guided_json"])
+def test_json_schema_output_follows_the_schema(server, body):
+    text, out = _chat(server, body)
+    value = json.loads(text)
+    assert set(value) == {"name", "age"} and isinstance(value["name"], str) and isinstance(value["age"], int)
+    assert out["choices"][0]["finish_reason"] == "stop"
+    plain, _ = _chat(server, {**body, "speculation": {"enabled": False}})
+    assert plain == text
+
+
+def test_json_object_choice_regex_and_grammar(server):
+    text, _ = _chat(server, {"response_format": {"type": "json_object"}, "max_tokens": 200})
+    assert isinstance(json.loads(text), dict)
+    choices = ["red", "green", "blue (dark)"]
+    for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        text, _ = _chat(server, body)
+        assert text in choices
+    text, _ = _chat(server, {"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text)
+    grammar = 'root ::= "yes" | "no" | "maybe, " [a-z]+'
+    text, _ = _chat(server, {"structured_outputs": {"grammar": grammar}, "max_tokens": 8})
+    assert re.fullmatch(r"yes|no|maybe, [a-z]+", text) or text.startswith("maybe, ")
+
+
+def test_sampled_outputs_stay_valid_with_speculation(server):
+    r = httpx.post(server.url + "/v1/completions", json={
+        "model": server.state.names[0], "prompt": "A phone number: ", "temperature": 1.0, "seed": 3, "n": 8,
+        "max_tokens": 16, "guided_regex": r"\(\d{3}\) \d{3}-\d{4}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", c["text"]), c["text"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),  # the second one named
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_regex": "a+", "ignore_eos": True}, None),
+])
+def test_bad_constraints_are_refused(server, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": server.state.names[0], "messages": ASK, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == param
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_shipped_drafter_greedy_equals_plain_under_a_schema(tree):
+    """Draft rows are masked through their paths (chains and trees): speculative output equals
+    plain constrained output, and drafts are still accepted."""
+    from spec_helpers import run_requests
+
+    from dspark.config import EngineConfig, SamplingParams, SpecConfig, StructuredOutputs
+    from dspark.engine.engine import Engine
+    from dspark.models.loader import ModelLoadError
+
+    try:
+        engine = Engine(EngineConfig(kv_cache_tokens=4096, spec=SpecConfig(tree=tree, tree_budget=8)))
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    if engine.spec.name != "dspark":
+        pytest.skip("the shipped drafter is not installed")
+    sp = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(json=json.dumps(PERSON)))
+    reqs = [(ASK, sp, None), ([{"role": "user", "content": "A JSON person, please: Ada, 36."}], sp, None)]
+    spec = run_requests(engine, reqs)
+    plain = run_requests(engine, reqs, spec=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(set(json.loads(o.text)) == {"name", "age"} for o in spec)
+    assert engine.spec_stats.accepted > 0

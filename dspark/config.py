@@ -123,8 +123,10 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {k!r}")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
-            if self.ignore_eos or self.min_tokens:  # the grammar's end is the EOS token
-                raise ValueError(f"{self.structured_outputs.field} cannot be combined with ignore_eos or min_tokens")
+            if self.ignore_eos or self.min_tokens or self.allowed_token_ids is not None:
+                # the grammar ends at the EOS token, and decides itself which tokens may come
+                raise ValueError(f"{self.structured_outputs.field} cannot be combined with ignore_eos, min_tokens "
+                                 "or allowed_token_ids")
 
     def _validate_logit_mask(self) -> None:
         if self.logit_bias is not None:

@@ -104,7 +104,7 @@ def test_each_row_sees_the_drafts_before_it():
 
     params = SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=2.0)
     seq = SimpleNamespace(params=params, output_ids=[4], prompt_ids=[1], eos_ids=frozenset(),
-                          early_stop_ids=frozenset(), seq_id=0)
+                          early_stop_ids=frozenset(), seq_id=0, grammar=None)
     chain = Work(seq, "decode", [4, 5, 6], drafts=[5, 6], samples=True)
     assert row_prefixes(chain, 3) == [[], [5], [5, 6]]
     tree = DraftTree(tokens=[5, 6, 7, 8], parents=[0, 0, 1, 3], depths=[1, 1, 2, 3], scores=[1.0] * 4)

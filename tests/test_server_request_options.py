@@ -68,3 +68,18 @@ def test_chat_template_options(server):
     closed = tok.apply_chat_template(msgs[:1], add_generation_prompt=False, tokenize=True)
     n = [len(x["input_ids"] if hasattr(x, "keys") else x) for x in (opened, closed)]
     assert (plain["usage"]["prompt_tokens"], bare["usage"]["prompt_tokens"]) == tuple(n) and n[0] > n[1]
+
+
+def test_truncation_counts_before_the_context_check(server):
+    """A prompt that only fits with its max_tokens once truncated is admitted, and echoes what
+    the model saw."""
+    tok, limit = server.state.engine.tokenizer, server.state.engine.max_model_len
+    ids = tok.encode("one two three " * limit)[:limit - 10]
+    body = {"prompt": ids, "max_tokens": 50, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json={"model": server.state.names[0], **body}, timeout=60)
+    assert r.status_code == 400  # 50 more tokens do not fit after limit - 10
+    out = _post(server, "/v1/completions", {**body, "max_tokens": 5, "truncate_prompt_tokens": 40, "echo": True})
+    assert out["usage"]["prompt_tokens"] == 40 and out["usage"]["completion_tokens"] == 5
+    assert out["choices"][0]["text"].startswith(tok.decode(ids[-40:]))
+    fits = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 40})
+    assert fits["usage"] == {"prompt_tokens": 40, "completion_tokens": 50, "total_tokens": 90}

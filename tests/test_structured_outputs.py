@@ -78,7 +78,7 @@ def test_sampled_outputs_stay_valid_with_speculation(server):
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"guided_regex": "a+", "ignore_eos": True}, None),
+    ({"guided_regex": "a+", "ignore_eos": True}, None), ({"guided_regex": "a+", "allowed_token_ids": [64]}, None),
 ])
 def test_bad_constraints_are_refused(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions",
@@ -110,3 +110,30 @@ def test_shipped_drafter_greedy_equals_plain_under_a_schema(tree):
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert all(set(json.loads(o.text)) == {"name", "age"} for o in spec)
     assert engine.spec_stats.accepted > 0
+
+
+def test_a_draft_path_through_eos_leaves_the_matcher_as_it_was():
+    """A chain whose drafts complete the grammar and then propose EOS (an n-gram drafter repeating
+    an earlier answer does): the rows after the EOS are never read, the step does not fail, and
+    the matcher is back at the request's own state."""
+    import torch
+
+    from dspark.config import StructuredOutputs
+    from dspark.engine.structured import GrammarCache, mask_rows
+    from dspark.models.loader import ModelLoadError, load_tokenizer, resolve_model_folder
+
+    try:
+        tok = load_tokenizer(resolve_model_folder(None))
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    cache = GrammarCache(tok, 49152)
+    matcher = cache.matcher(StructuredOutputs(choice=("red", "green")))
+    red = tok.encode("red", add_special_tokens=False)
+    eos = tok.eos_token_id
+    prefixes = [red[:i] for i in range(len(red) + 1)] + [red + [eos], red + [eos, 9]]
+    rows = torch.zeros(len(prefixes), 49152)
+    mask_rows(matcher, rows, prefixes)
+    allowed = [set((r > float("-inf")).nonzero()[:, 0].tolist()) for r in rows]
+    assert allowed[len(red)] == {eos}  # "red" is complete: only the end may follow
+    assert allowed[-1] == allowed[-2] == allowed[0]  # after the EOS: unused rows, the first row's mask
+    assert not matcher.is_terminated() and all(matcher.accept_token(t) for t in red + [eos])

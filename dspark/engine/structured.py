@@ -79,14 +79,18 @@ def mask_rows(matcher, rows: torch.Tensor, prefixes: list[list[int]]) -> None:  
     bitmask = xgr.allocate_token_bitmask(len(prefixes), rows.shape[-1])
     for i, prefix in enumerate(prefixes):  # prefixes[0] is empty: the request's own state
         taken = 0
-        for tok in prefix:
-            if not matcher.accept_token(tok):
-                break
-            taken += 1
-        if taken == len(prefix):
-            matcher.fill_next_token_bitmask(bitmask, i)
-        else:  # a refused draft on the way: acceptance stops before this row, which goes unused
-            bitmask[i] = bitmask[0]
-        if taken:
-            matcher.rollback(taken)
+        try:
+            for tok in prefix:
+                if not matcher.accept_token(tok):
+                    break
+                taken += 1
+            # after a refused draft, or after an accepted EOS that ends the grammar, the row is
+            # never read: acceptance stops before it, or the request ends at the EOS
+            if taken == len(prefix) and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, i)
+            else:
+                bitmask[i] = bitmask[0]
+        finally:
+            if taken:
+                matcher.rollback(taken)
     xgr.apply_token_bitmask_inplace(rows, bitmask.to(rows.device))

@@ -108,10 +108,14 @@ class _Generation:
             if isinstance(e, ValueError):
                 raise APIError(400, str(e), param=param) from None
             raise
-        if echo:  # each prompt as text (token ids decoded once the engine took them)
+        if echo:  # each prompt as text (token ids decoded once the engine took them), as truncated
+            k, tok = req.truncate_prompt_tokens, st.engine.tokenizer
             for c in self.choices:
                 prompt = prompts[c.index // n]
-                c.echo = prompt if isinstance(prompt, str) else st.engine.tokenizer.decode(prompt)
+                if k is not None:
+                    c.echo = tok.decode(st.engine.encode(prompt)[-k:])
+                else:
+                    c.echo = prompt if isinstance(prompt, str) else tok.decode(prompt)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # the background abort covers a client gone before the generator's first step (Starlette

@@ -100,7 +100,7 @@ INVALID = [
     (C, {"prompt": PROMPT, "echo": "yes"}, "echo"), (C, {"prompt": [10**9], "echo": True}, None),
     (C, {"prompt": PROMPT, "n": 4}, "n"),  # more than this server's 2 running + 1 queued
     (C, {"prompt": PROMPT, "best_of": True}, "best_of"),
-    (C, {"prompt": PROMPT, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    (C, {"prompt": PROMPT, "structured_outputs": {"regex": "(a+"}}, "structured_outputs"),
     (CHAT, {"messages": MSGS, "tool_choice": "required"}, "tool_choice"),
     (C, {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),

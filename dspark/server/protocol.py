@@ -103,6 +103,16 @@ class _Common(_Strict):
     speculation: SpeculationOptions | None = None
     user: str | None = None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails this too
+                raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
+        return v
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Sampling settings with vLLM's defaults (temperature 1, top_p 1, top_k off)."""
         params = SamplingParams(

@@ -137,3 +137,55 @@ def test_a_draft_path_through_eos_leaves_the_matcher_as_it_was():
     assert allowed[len(red)] == {eos}  # "red" is complete: only the end may follow
     assert allowed[-1] == allowed[-2] == allowed[0]  # after the EOS: unused rows, the first row's mask
     assert not matcher.is_terminated() and all(matcher.accept_token(t) for t in red + [eos])
+
+
+def test_drafts_are_proposed_inside_the_grammar():
+    """DraftConstraint masks each position from the state after the drafts before it, stops a row
+    whose grammar has ended, and rolls every matcher back."""
+    import torch
+
+    from dspark.config import StructuredOutputs
+    from dspark.engine.structured import DraftConstraint, GrammarCache
+    from dspark.models.loader import ModelLoadError, load_tokenizer, resolve_model_folder
+
+    try:
+        tok = load_tokenizer(resolve_model_folder(None))
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    cache = GrammarCache(tok, 49152)
+    matchers = [cache.matcher(StructuredOutputs(choice=("red", "green"))), None]
+    dc = DraftConstraint(matchers, 49152, None)
+    g = torch.Generator().manual_seed(0)
+    drafts = []
+    for k in range(6):
+        logits = dc.mask(torch.randn(2, 49152, generator=g), k)
+        pick = logits.argmax(-1)
+        drafts.append(int(pick[0]))
+        dc.advance(pick, k)
+    stop = dc.finish()
+    text = tok.decode(drafts[:stop[0]])
+    assert stop[1] is None and text in ("red", "green", "red" + tok.eos_token, "green" + tok.eos_token)
+    assert drafts[stop[0] - 1] == tok.eos_token_id and stop[0] < 6  # ended at the EOS
+    assert all(matchers[0].accept_token(t) for t in tok.encode("green", add_special_tokens=False))
+
+
+def test_shipped_drafter_sampling_stays_inside_a_regex():
+    from spec_helpers import run_requests
+
+    from dspark.config import EngineConfig, SamplingParams, StructuredOutputs
+    from dspark.engine.engine import Engine
+    from dspark.models.loader import ModelLoadError
+
+    try:
+        engine = Engine(EngineConfig(kv_cache_tokens=4096))
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    if engine.spec.name != "dspark":
+        pytest.skip("the shipped drafter is not installed")
+    pattern = r"\(\d{3}\) \d{3}-\d{4}"
+    reqs = [("My phone number is ", SamplingParams(temperature=0.9, seed=i, max_tokens=20,
+                                                   structured_outputs=StructuredOutputs(regex=pattern)), None)
+            for i in range(6)]
+    for out in run_requests(engine, reqs):
+        assert re.fullmatch(pattern, out.text), out.text
+    assert engine.spec_stats.accepted > 0

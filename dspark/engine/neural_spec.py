@@ -15,6 +15,7 @@ from dspark.engine.policy import make_policy
 from dspark.engine.sampling import sample, warp_logits
 from dspark.engine.sequence import Sequence
 from dspark.engine.spec import SpecRunner
+from dspark.engine.structured import DraftConstraint
 from dspark.engine.tree import DraftTree, build_trees
 from dspark.models.drafters.checkpoint import load_drafter
 
@@ -139,10 +140,15 @@ class NeuralSpecRunner(SpecRunner):
                 u[r] = torch.rand(nd, generator=s.generator)
         u = u.to(dev)
         prev = torch.tensor([s.output_ids[-1] for s in active], device=dev)
+        grammars = [s.grammar for s in active]
+        constraint = DraftConstraint(grammars, self.engine.model_config.vocab_size, to_target) \
+            if any(g is not None for g in grammars) else None
         tokens, probs, prevs = [], [], []
         for k in range(nd):
             prevs.append(prev)
             logits = self.drafter.step_logits(base[:, k], prev)
+            if constraint is not None:
+                logits = constraint.mask(logits, k)
             if greedy:
                 prev = logits.argmax(-1)
                 if to_target is not None:
@@ -152,6 +158,9 @@ class NeuralSpecRunner(SpecRunner):
                 prev = sample(q, u[:, k])
                 probs.append(q)
             tokens.append(prev)
+            if constraint is not None:
+                constraint.advance(prev, k)
+        stops = constraint.finish() if constraint is not None else [None] * R
         tokens_t = torch.stack(tokens, 1)
         conf = self.drafter.confidence(h, torch.stack(prevs, 1))
         conf = torch.sigmoid(conf) if conf is not None else self._acceptance_prior(R, nd)
@@ -162,7 +171,7 @@ class NeuralSpecRunner(SpecRunner):
         out = {}
         for r, s in enumerate(active):
             self._proposed[s.seq_id] = nd
-            out[s.seq_id] = drafts[r][:lengths[r]]
+            out[s.seq_id] = drafts[r][:lengths[r] if stops[r] is None else min(lengths[r], stops[r])]
             if probs and not s.params.greedy:
                 self._q[s.seq_id] = torch.stack([p[r] for p in probs])
         return out

@@ -94,3 +94,58 @@ def mask_rows(matcher, rows: torch.Tensor, prefixes: list[list[int]]) -> None:  
             if taken:
                 matcher.rollback(taken)
     xgr.apply_token_bitmask_inplace(rows, bitmask.to(rows.device))
+
+
+def allowed_tokens(matcher, vocab: int) -> torch.Tensor:  # noqa: ANN001 - a GrammarMatcher
+    """[vocab] bool: the tokens the matcher accepts next (bit i % 32 of word i // 32)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bitmask)
+    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab].bool()
+
+
+class DraftConstraint:
+    """Keeps a batch's chain drafts inside their requests' grammars while they are proposed: the
+    logits of each position are masked from the grammar's state after the drafts so far (accepted
+    tentatively), a row stops drafting where its grammar admits nothing the drafter can propose
+    (or has ended), and every matcher is rolled back at the end. Only acceptance changes: the
+    target's rows are masked anyway, so a refused draft would merely be rejected."""
+
+    def __init__(self, matchers: list, vocab: int, to_target: torch.Tensor | None):
+        self.matchers, self.vocab, self.to_target = matchers, vocab, to_target
+        self.stop: list[int | None] = [None] * len(matchers)  # drafts kept per row (None: all)
+        self.taken = [0] * len(matchers)
+
+    def _live(self) -> list[int]:
+        return [r for r, m in enumerate(self.matchers) if m is not None and self.stop[r] is None]
+
+    def mask(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """Position k's logits [R, V or draft V] with what each live row's grammar refuses at -inf."""
+        for r in self._live():
+            m = self.matchers[r]
+            allowed = None if m.is_terminated() else allowed_tokens(m, self.vocab)
+            if allowed is not None and self.to_target is not None:
+                allowed = allowed[self.to_target]
+            if allowed is None or not bool(allowed.any()):
+                self.stop[r] = k
+                continue
+            logits[r].masked_fill_(~allowed.to(logits.device), float("-inf"))
+        return logits
+
+    def advance(self, tokens: torch.Tensor, k: int) -> None:
+        """The tokens proposed at position k (target ids), taken into each live row's grammar."""
+        ids = tokens.tolist()
+        for r in self._live():
+            if self.matchers[r].accept_token(ids[r]):
+                self.taken[r] += 1
+            else:
+                self.stop[r] = k
+
+    def finish(self) -> list[int | None]:
+        """Roll every matcher back to its request's state; the drafts each row keeps."""
+        for m, n in zip(self.matchers, self.taken):
+            if n:
+                m.rollback(n)
+        return self.stop

@@ -125,8 +125,10 @@ class SamplingParams:
             self.structured_outputs.validate()
             if self.ignore_eos or self.min_tokens or self.allowed_token_ids is not None:
                 # the grammar ends at the EOS token, and decides itself which tokens may come
-                raise ValueError(f"{self.structured_outputs.field} cannot be combined with ignore_eos, min_tokens "
-                                 "or allowed_token_ids")
+                field = self.structured_outputs.field
+                err = ValueError(f"{field} cannot be combined with ignore_eos, min_tokens or allowed_token_ids")
+                err.param = field  # the server's 400 names it
+                raise err
 
     def _validate_logit_mask(self) -> None:
         if self.logit_bias is not None:

@@ -83,3 +83,12 @@ def test_truncation_counts_before_the_context_check(server):
     assert out["choices"][0]["text"].startswith(tok.decode(ids[-40:]))
     fits = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 40})
     assert fits["usage"] == {"prompt_tokens": 40, "completion_tokens": 50, "total_tokens": 90}
+
+
+def test_stop_token_text_kept_when_asked(server):
+    comma = server.state.engine.tokenizer.convert_tokens_to_ids(",")
+    body = {"prompt": COUNT, "max_tokens": 12, "stop_token_ids": [comma]}
+    cut = _post(server, "/v1/completions", body)["choices"][0]
+    kept = _post(server, "/v1/completions", {**body, "include_stop_str_in_output": True})["choices"][0]
+    assert cut["stop_reason"] == kept["stop_reason"] == comma
+    assert kept["text"] == cut["text"] + "," and "," not in cut["text"]

@@ -78,7 +78,8 @@ def test_sampled_outputs_stay_valid_with_speculation(server):
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"guided_regex": "a+", "ignore_eos": True}, None), ({"guided_regex": "a+", "allowed_token_ids": [64]}, None),
+    ({"guided_regex": "a+", "ignore_eos": True}, "guided_regex"),
+    ({"guided_regex": "a+", "allowed_token_ids": [64]}, "guided_regex"),
 ])
 def test_bad_constraints_are_refused(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions",

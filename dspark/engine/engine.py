@@ -271,7 +271,7 @@ class Engine:
         """Detokenize the tokens appended since the last call; a stop string cuts the text and
         finishes the request. A stop token (EOS or stop_token_ids) stays in the token ids but not
         in the text, as in vLLM."""
-        end = len(seq.output_ids) - 1 if stop_token else None
+        end = len(seq.output_ids) - 1 if stop_token and not seq.params.include_stop_str_in_output else None
         delta = decode_new_text(self.tokenizer, seq, flush=seq.finish_reason is not None, end=end)
         seq.text += delta
         if seq.params.stop and delta and len(seq.output_ids) > seq.params.min_tokens:  # as vLLM

@@ -144,23 +144,25 @@ class NeuralSpecRunner(SpecRunner):
         constraint = DraftConstraint(grammars, self.engine.model_config.vocab_size, to_target) \
             if any(g is not None for g in grammars) else None
         tokens, probs, prevs = [], [], []
-        for k in range(nd):
-            prevs.append(prev)
-            logits = self.drafter.step_logits(base[:, k], prev)
-            if constraint is not None:
-                logits = constraint.mask(logits, k)
-            if greedy:
-                prev = logits.argmax(-1)
-                if to_target is not None:
-                    prev = to_target[prev]
-            else:
-                q = warp_logits(logits, temp, top_k, top_p, min_p)
-                prev = sample(q, u[:, k])
-                probs.append(q)
-            tokens.append(prev)
-            if constraint is not None:
-                constraint.advance(prev, k)
-        stops = constraint.finish() if constraint is not None else [None] * R
+        try:
+            for k in range(nd):
+                prevs.append(prev)
+                logits = self.drafter.step_logits(base[:, k], prev)
+                if constraint is not None:
+                    logits = constraint.mask(logits, k)
+                if greedy:
+                    prev = logits.argmax(-1)
+                    if to_target is not None:
+                        prev = to_target[prev]
+                else:
+                    q = warp_logits(logits, temp, top_k, top_p, min_p)
+                    prev = sample(q, u[:, k])
+                    probs.append(q)
+                tokens.append(prev)
+                if constraint is not None:
+                    constraint.advance(prev, k)
+        finally:  # the matchers go back to their requests' committed state whatever happens
+            stops = constraint.finish() if constraint is not None else [None] * R
         tokens_t = torch.stack(tokens, 1)
         conf = self.drafter.confidence(h, torch.stack(prevs, 1))
         conf = torch.sigmoid(conf) if conf is not None else self._acceptance_prior(R, nd)

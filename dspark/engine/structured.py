@@ -125,13 +125,19 @@ class DraftConstraint:
         """Position k's logits [R, V or draft V] with what each live row's grammar refuses at -inf."""
         for r in self._live():
             m = self.matchers[r]
-            allowed = None if m.is_terminated() else allowed_tokens(m, self.vocab)
-            if allowed is not None and self.to_target is not None:
-                allowed = allowed[self.to_target]
-            if allowed is None or not bool(allowed.any()):
+            if m.is_terminated():
                 self.stop[r] = k
                 continue
-            logits[r].masked_fill_(~allowed.to(logits.device), float("-inf"))
+            allowed = allowed_tokens(m, self.vocab).to(logits.device)  # the bitmask is on the CPU
+            if self.to_target is not None:
+                allowed = allowed[self.to_target]
+            # a sampled row's logits span the target vocabulary but the drafter's head fills only
+            # its own tokens: what the grammar admits must also be something it can propose
+            allowed &= torch.isfinite(logits[r])
+            if not bool(allowed.any()):
+                self.stop[r] = k
+                continue
+            logits[r].masked_fill_(~allowed, float("-inf"))
         return logits
 
     def advance(self, tokens: torch.Tensor, k: int) -> None:

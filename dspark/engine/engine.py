@@ -139,12 +139,16 @@ class Engine:
                        generator=gen, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        early_stop_ids=early, spec_enabled=spec, block_size=block_size)
         if params.structured_outputs is not None:
-            if self._grammars is None:
-                self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size)
-            seq.grammar = self._grammars.matcher(params.structured_outputs)
+            seq.grammar = self.grammars().matcher(params.structured_outputs)
         self.seqs[request_id] = seq
         self.planner.waiting.append(seq)
         return seq
+
+    def grammars(self) -> GrammarCache:
+        """The compiled structured-output constraints (built, with xgrammar, on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
 
     def encode(self, prompt: str | list[int] | list[dict] | ChatPrompt) -> list[int]:
         return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt)

@@ -38,12 +38,17 @@ class GrammarCache:
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._cache: dict[StructuredOutputs, object] = {}
 
-    def matcher(self, spec: StructuredOutputs):  # noqa: ANN201 - an xgrammar GrammarMatcher
-        """A fresh matcher for the constraint (compiled once per distinct constraint)."""
+    def compile(self, spec: StructuredOutputs):  # noqa: ANN201 - an xgrammar CompiledGrammar
+        """The constraint compiled, once per distinct constraint. Thread-safe: the server compiles
+        in a worker thread before admission, so a large schema never stalls the engine's steps."""
         grammar = self._cache.get(spec)
         if grammar is None:
             grammar = self._cache[spec] = self._compile(spec)
-        return self.xgr.GrammarMatcher(grammar)  # rollback is unbounded: drafts are tried, then undone
+        return grammar
+
+    def matcher(self, spec: StructuredOutputs):  # noqa: ANN201 - an xgrammar GrammarMatcher
+        """A fresh matcher for the constraint (rollback is unbounded: drafts are tried, then undone)."""
+        return self.xgr.GrammarMatcher(self.compile(spec))
 
     def _compile(self, spec: StructuredOutputs):  # noqa: ANN202
         c = self.compiler

@@ -86,6 +86,8 @@ class _Generation:
                                      st.engine.spec.name, self.spec.enabled, req.num_logprobs(), req.prompt_logprobs)
         try:
             params = req.sampling_params(max_tokens)
+            if params.structured_outputs is not None:  # compiled off the engine's thread
+                await asyncio.to_thread(lambda: st.engine.grammars().compile(params.structured_outputs))
             if sched.num_active + total > sched.capacity:  # all or none: no choice admitted to be aborted
                 raise QueueFullError(f"too many requests in flight ({sched.num_active}) for {total} more; "
                                      "retry later")

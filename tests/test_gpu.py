@@ -150,3 +150,52 @@ def test_graph_replay_equals_eager(gpu_folders, drafter):
     assert sum(p.num_served for p in eng.runner.graphs.values()) > 10
     if drafter == "dspark":
         assert eng.spec.graphs.num_served == eng.spec.num_draft_passes > 0
+
+
+def test_prefix_caching_equals_no_caching_on_cuda(gpu_folders):
+    """Shared pages on a GPU (fp32, torch backend): prompts with a common prefix, one repeated, give
+    the tokens an engine without prefix caching gives, and pages are found in the cache."""
+    from dspark.engine.engine import Engine
+
+    def engine(caching: bool):
+        return Engine(EngineConfig(model=gpu_folders["target"], device="cuda", dtype="float32",
+                                   attention_backend="torch", max_num_seqs=8, enable_prefix_caching=caching,
+                                   max_num_batched_tokens=40, spec=SpecConfig(drafter=gpu_folders["dspark"])))
+
+    base = alphabet_prompts([41], seed=3)[0]
+    prompts = [base + t for t in alphabet_prompts([5, 9, 3], seed=4)] + [base + alphabet_prompts([5], seed=4)[0]]
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = run_requests(engine(False), [(p, sp, None) for p in prompts])
+    cached = engine(True)
+    run_requests(cached, [(prompts[0], sp, None)])
+    got = run_requests(cached, [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert cached.pool.prefix_hits >= 3 * 32
+
+
+def test_structured_output_with_the_shipped_drafter_on_cuda():
+    """SmolLM2 and its reduced-vocabulary drafter on CUDA under a JSON schema: the drafts' grammar
+    masks index a GPU vocabulary map, the output parses, drafts are accepted."""
+    import json
+
+    pytest.importorskip("xgrammar")
+    from dspark.config import StructuredOutputs
+    from dspark.engine.engine import Engine
+    from dspark.models.loader import ModelLoadError
+
+    try:
+        engine = Engine(EngineConfig(device="cuda", max_num_seqs=8))
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    if engine.spec.name != "dspark":
+        pytest.skip("the shipped drafter is not installed")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    sp = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputs(json=json.dumps(schema)))
+    chat = [{"role": "user", "content": "A person as JSON with a name and an age."}]
+    outs = run_requests(engine, [(chat, sp, None), (chat, SamplingParams(temperature=0.8, seed=1, max_tokens=48,
+                                                                          structured_outputs=sp.structured_outputs),
+                                  None)])
+    for out in outs:
+        assert set(json.loads(out.text)) == {"name", "age"}
+    assert engine.spec_stats.accepted > 0

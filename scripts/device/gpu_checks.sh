@@ -64,6 +64,8 @@ if [ ! -f "$G" ]; then
 fi
 [ "$(sha256sum "$G" | cut -d' ' -f1)" = "$(cat /tmp/carry/gguf.sha256)" ] || { echo "GGUF checksum mismatch"; rm -f "$G"; exit 2; }
 [ "$STAGE" = gen ] || untar_xz /tmp/carry/drafter.tar.xz .  # writing data needs only the target
+ls /tmp/carry/xgrammar-*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --target /tmp/site /tmp/carry/xgrammar-*.whl  # the structured-output GPU test
 
 [ "$STAGE" = run ] || unxz /tmp/carry/train_prompts.jsonl.xz /tmp/carry/train_prompts.jsonl
 

@@ -22,7 +22,8 @@ pip_dl() {
 # never picks cuDNN); the image has torch, triton, ninja, numpy, click, einops, requests,
 # tabulate, tqdm, nvidia-ml-py, packaging and cuda-bindings.
 # (versions pinned: the ones that ran on the H200 on 2026-11-26)
-pip_dl flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 cuda-tile==1.7.0 cuda-python==13.4.4 gguf==0.19.0
+pip_dl flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 cuda-tile==1.7.0 cuda-python==13.4.4 gguf==0.19.0 \
+  xgrammar==0.2.8
 FI_DIR=/tmp/dspark-carry/fi && mkdir -p "$FI_DIR"
 unzip -q -o .whl/flashinfer_python-0.7.2.post1-*.whl -d "$FI_DIR"
 # keep the python package, the headers and the top-level kernel sources the attention JIT
@@ -42,6 +43,7 @@ xz -T2 -9e -c "$GGUF" > /tmp/dspark-carry/gguf.xz
 head -c "${PART0_MB}M" /tmp/dspark-carry/gguf.xz > .carry/a/gguf.xz.0
 tail -c +$((PART0_MB * 1048576 + 1)) /tmp/dspark-carry/gguf.xz > .carry/b/gguf.xz.1
 tar -cf - drafters/smollm2-135m-dspark | xz -T2 -6 > .carry/b/drafter.tar.xz
+cp .whl/xgrammar-*.whl .carry/b/  # structured outputs (1.3 MB; its tvm-ffi comes with .carry/a)
 tar -cf - drafters/data | xz -T2 -6 > .carry/a/data.tar.xz
 cp ../shared/data/dev_prompts.jsonl .carry/b/
 xz -T2 -6 -c ../shared/data/train_prompts.jsonl > .carry/b/train_prompts.jsonl.xz

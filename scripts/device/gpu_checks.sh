@@ -5,7 +5,7 @@
 #     so the compile overlaps the second call's transfer; waits up to SETUP_WAIT_S for them.
 #   STAGE=train (carry .carry/b): assemble the GGUF, the drafter and the committed data, train
 #     the drafter on CUDA from the shipped one (TRAIN_MINUTES, TRAIN_STEPS, TRAIN_BATCH, TRAIN_LR;
-#     TRAIN_INIT replaces `--init-from <shipped>`, e.g. "--num-layers 4 --draft-vocab 12288" from scratch),
+#     TRAIN_INIT replaces `--init-from <shipped>`, e.g. "--num-layers 3 --intermediate-size 1024 --draft-vocab 12288" from scratch, 23 MB),
 #     evaluate it on the dev prompts, and write the export under $OUT (the weights in two
 #     pieces: at most 16 MiB a file comes back; `cat model.safetensors.part.* > model.safetensors`).
 #   STAGE=gen (carry .carry/b): assemble the GGUF, then let the target write one more sampled

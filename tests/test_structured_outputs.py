@@ -190,3 +190,36 @@ def test_shipped_drafter_sampling_stays_inside_a_regex():
     for out in run_requests(engine, reqs):
         assert re.fullmatch(pattern, out.text), out.text
     assert engine.spec_stats.accepted > 0
+
+
+def test_tree_drafts_are_built_inside_the_grammar():
+    """build_trees with a TreeConstraint: every node's path is a prefix the grammar accepts, a
+    request without a grammar gets its unconstrained tree, and the matchers are rolled back."""
+    import torch
+
+    from dspark.config import StructuredOutputs
+    from dspark.engine.structured import GrammarCache, TreeConstraint
+    from dspark.engine.tree import build_trees
+    from dspark.models.loader import ModelLoadError, load_tokenizer, resolve_model_folder
+
+    try:
+        tok = load_tokenizer(resolve_model_folder(None))
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    matcher = GrammarCache(tok, 49152).matcher(StructuredOutputs(regex=r"[0-9]{2}-[a-c]{2}"))
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 6, 49152, generator=g)
+    anchors = torch.tensor([tok.eos_token_id, 5])
+    kw = dict(budget=[12, 12], max_depth=[6, 6], topk=3)
+    free = build_trees(base, anchors, None, **kw)
+    trees = build_trees(base, anchors, None, **kw, constraint=TreeConstraint([matcher, None], 49152, None))
+    assert trees[1].tokens == free[1].tokens and len(trees[0]) > 0
+    t = trees[0]
+    for i in range(len(t)):
+        path, node = [], i + 1
+        while node:
+            path.insert(0, t.tokens[node - 1])
+            node = t.parents[node - 1]
+        assert all(matcher.accept_token(x) for x in path), tok.decode(path)
+        matcher.rollback(len(path))
+    assert not matcher.is_terminated() and matcher.accept_token(tok.convert_tokens_to_ids("1"))

@@ -15,7 +15,7 @@ from dspark.engine.policy import make_policy
 from dspark.engine.sampling import sample, warp_logits
 from dspark.engine.sequence import Sequence
 from dspark.engine.spec import SpecRunner
-from dspark.engine.structured import DraftConstraint
+from dspark.engine.structured import DraftConstraint, TreeConstraint
 from dspark.engine.tree import DraftTree, build_trees
 from dspark.models.drafters.checkpoint import load_drafter
 
@@ -190,15 +190,18 @@ class NeuralSpecRunner(SpecRunner):
         Children are tried as one-hot proposals, so no q is kept."""
         anchors = torch.tensor([s.output_ids[-1] for s in active], device=base.device)
         depth = [self.draft_budget(s) for s in active]
+        grammars = [s.grammar for s in active]
+        constraint = TreeConstraint(grammars, self.engine.model_config.vocab_size, self.drafter.draft_to_target) \
+            if any(g is not None for g in grammars) else None
         trees = build_trees(base[:, :max(depth)], anchors, self.drafter.markov_head,
                             [self.cfg.tree_budget] * len(active), depth, self.cfg.tree_topk,
-                            vocab=self.drafter.draft_to_target)
+                            vocab=self.drafter.draft_to_target, constraint=constraint)
         sizes = self.policy.choose_nodes([[t.scores[i] for i in t.ranked()] for t in trees], other_tokens,
                                          draft_seconds)
         out: dict[int, DraftTree | list[int]] = {}
         for s, t, n in zip(active, trees, sizes):
             self._proposed[s.seq_id] = self.cfg.tree_budget
-            if n == len(t):  # the whole tree (fixed): as built, no re-ranking
+            if n == len(t) and n:  # the whole tree (fixed): as built, no re-ranking
                 out[s.seq_id] = t
             else:  # pruned to the admitted nodes; none admitted: verify the anchor alone
                 out[s.seq_id] = t.top(n) if n else []

@@ -160,3 +160,42 @@ class DraftConstraint:
             if n:
                 m.rollback(n)
         return self.stop
+
+
+class TreeConstraint:
+    """Keeps a batch's draft trees inside their requests' grammars: each node's children are
+    masked to what the grammar admits after the node's path (accepted tentatively, then rolled
+    back); a node whose grammar admits nothing the drafter can propose (or has ended) is dead,
+    and build_trees drops its children."""
+
+    def __init__(self, matchers: list, vocab: int, to_target: torch.Tensor | None):
+        self.matchers, self.vocab, self.to_target = matchers, vocab, to_target
+
+    def mask_layer(self, logits: torch.Tensor, paths: list[list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [R, W, V or draft V] of one layer's nodes -> (masked copy, dead [R, W])."""
+        logits = logits.clone()  # often an expanded view of one row per request
+        dead = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
+        for r, m in enumerate(self.matchers):
+            if m is None:
+                continue
+            for w, path in enumerate(paths[r]):
+                taken = 0
+                try:
+                    for tok in path:
+                        if not m.accept_token(tok):
+                            break
+                        taken += 1
+                    allowed = None
+                    if taken == len(path) and not m.is_terminated():
+                        allowed = allowed_tokens(m, self.vocab).to(logits.device)
+                        if self.to_target is not None:
+                            allowed = allowed[self.to_target]
+                        allowed &= torch.isfinite(logits[r, w])
+                finally:
+                    if taken:
+                        m.rollback(taken)
+                if allowed is None or not bool(allowed.any()):
+                    dead[r, w] = True
+                else:
+                    logits[r, w].masked_fill_(~allowed, float("-inf"))
+        return logits, dead

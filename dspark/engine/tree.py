@@ -61,7 +61,8 @@ class DraftTree:
 
 
 def build_trees(base: torch.Tensor, anchors: torch.Tensor, markov, budget: list[int], max_depth: list[int],
-                topk: int, width: int | None = None, vocab: torch.Tensor | None = None) -> list[DraftTree]:
+                topk: int, width: int | None = None, vocab: torch.Tensor | None = None,
+                constraint=None) -> list[DraftTree]:  # noqa: ANN001 - a structured.TreeConstraint
     """Best nodes by joint draft probability, layer by layer through the Markov head.
 
     base: [R, D, V] draft logits per depth; markov(prev target tokens) -> [.., V] bias or None.
@@ -70,7 +71,9 @@ def build_trees(base: torch.Tensor, anchors: torch.Tensor, markov, budget: list[
     the target's with -inf outside it, at a fraction of the softmax and top-k work.
     Keeps `width` nodes per layer, then the budget[r] nodes with the highest joint
     probability overall (ancestor-closed, since a child is never likelier than its parent),
-    no deeper than max_depth[r].
+    no deeper than max_depth[r]. constraint (structured outputs) masks each node's children to
+    what its request's grammar admits after the node's path; nodes it leaves at probability 0
+    are dropped.
     """
     R, D, V = base.shape
     width = width or max(budget)
@@ -80,11 +83,17 @@ def build_trees(base: torch.Tensor, anchors: torch.Tensor, markov, budget: list[
     layer_id = torch.full((R, 1), -1, device=dev, dtype=torch.long)  # node ids of the current layer
     all_tok, all_par, all_lp, all_depth = [], [], [], []
     count = 0
+    paths: list[list[list[int]]] = [[[]] for _ in range(R)]  # each node's drafts from the anchor
     for d in range(D):
         logits = base[:, d][:, None, :].expand(R, layer_tok.shape[1], V)
         if markov is not None:
             logits = logits + markov(layer_tok).float()
+        dead = None
+        if constraint is not None:
+            logits, dead = constraint.mask_layer(logits, paths)
         lp = torch.log_softmax(logits, -1)
+        if dead is not None:
+            lp = lp.masked_fill(dead[..., None], float("-inf"))
         top_lp, top_tok = lp.topk(min(topk, V), -1)  # [R, W, k]
         if vocab is not None:
             top_tok = vocab[top_tok]
@@ -98,6 +107,9 @@ def build_trees(base: torch.Tensor, anchors: torch.Tensor, markov, budget: list[
         all_depth.append(d + 1)
         ids = torch.arange(count, count + tok.shape[1], device=dev)[None].expand(R, -1)
         count += tok.shape[1]
+        if constraint is not None:
+            slots, toks_now = parent_slot.tolist(), tok.tolist()
+            paths = [[paths[r][p] + [t] for p, t in zip(slots[r], toks_now[r])] for r in range(R)]
         layer_tok, layer_lp, layer_id = tok, keep.values, ids
     toks = torch.cat(all_tok, 1).tolist()
     pars = torch.cat(all_par, 1).tolist()
@@ -105,7 +117,8 @@ def build_trees(base: torch.Tensor, anchors: torch.Tensor, markov, budget: list[
     depths = [d for d, t in zip(all_depth, all_tok) for _ in range(t.shape[1])]
     trees = []
     for r in range(R):
-        ok = [i for i in range(count) if depths[i] <= max_depth[r]]  # breadth-first: parents first
+        # breadth-first, parents first; a child of a dropped node is dropped too (its joint is -inf)
+        ok = [i for i in range(count) if depths[i] <= max_depth[r] and lps[r][i] > float("-inf")]
         index = {old: new + 1 for new, old in enumerate(ok)}
         full = DraftTree(tokens=[toks[r][i] for i in ok],
                          parents=[index[pars[r][i]] if pars[r][i] >= 0 else 0 for i in ok],

@@ -171,14 +171,20 @@ class TreeConstraint:
     def __init__(self, matchers: list, vocab: int, to_target: torch.Tensor | None):
         self.matchers, self.vocab, self.to_target = matchers, vocab, to_target
 
-    def mask_layer(self, logits: torch.Tensor, paths: list[list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [R, W, V or draft V] of one layer's nodes -> (masked copy, dead [R, W])."""
+    def mask_layer(self, logits: torch.Tensor, paths: list[list[list[int]]],
+                   alive: list[list[bool]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [R, W, V or draft V] of one layer's nodes -> (masked copy, dead [R, W]); nodes
+        not alive (their joint probability already 0: padding, children of dead nodes) stay dead
+        without consulting the grammar."""
         logits = logits.clone()  # often an expanded view of one row per request
         dead = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
         for r, m in enumerate(self.matchers):
             if m is None:
                 continue
             for w, path in enumerate(paths[r]):
+                if not alive[r][w]:
+                    dead[r, w] = True
+                    continue
                 taken = 0
                 try:
                     for tok in path:

@@ -90,7 +90,7 @@ def build_trees(base: torch.Tensor, anchors: torch.Tensor, markov, budget: list[
             logits = logits + markov(layer_tok).float()
         dead = None
         if constraint is not None:
-            logits, dead = constraint.mask_layer(logits, paths)
+            logits, dead = constraint.mask_layer(logits, paths, torch.isfinite(layer_lp).tolist())
         lp = torch.log_softmax(logits, -1)
         if dead is not None:
             lp = lp.masked_fill(dead[..., None], float("-inf"))

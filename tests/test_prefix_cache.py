@@ -123,6 +123,15 @@ def test_server_counts_prefix_cache_tokens(folders):
     with serve(engine) as s:
         outs = [httpx.post(s.url + "/v1/completions", json=body, timeout=60).json() for _ in range(2)]
         m = scrape(s.url)
-    assert outs[0]["choices"][0]["text"] == outs[1]["choices"][0]["text"]
-    assert metric(m, "dspark:prefix_cache_queries_total") == 2 * 40
-    assert metric(m, "dspark:prefix_cache_hits_total") == 32  # two full pages of 16; the rest is computed
+        assert outs[0]["choices"][0]["text"] == outs[1]["choices"][0]["text"]
+        assert metric(m, "dspark:prefix_cache_queries_total") == 2 * 40
+        assert metric(m, "dspark:prefix_cache_hits_total") == 32  # two full pages of 16; the rest is computed
+        # n choices: the first is prefilled before the others are admitted, which find its pages
+        other = alphabet_prompts([40], seed=13)[0]
+        out = httpx.post(s.url + "/v1/completions", json={**body, "prompt": [other, prompt], "n": 3},
+                         timeout=60).json()
+        hits = metric(scrape(s.url), "dspark:prefix_cache_hits_total") - 32
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    texts = [c["text"] for c in out["choices"]]
+    assert texts[3:] == [outs[0]["choices"][0]["text"]] * 3 and len(set(texts[:3])) == 1
+    assert hits == 32 + 2 * 32 + 2 * 32  # prompt 2 from the cache at once; each prompt's 2 later choices

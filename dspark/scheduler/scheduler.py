@@ -60,6 +60,7 @@ class RequestStream:
         self.prompt_tokens = 0
         self.finished = False
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.prefilled = asyncio.Event()  # set once its prompt is in the cache (first token) or it ended
         self._scheduler = scheduler
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -151,6 +152,7 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             stream.queue.put_nowait(RequestAborted(reason))
+            stream.prefilled.set()
             self._cmds.put(("abort", request_id))
 
     async def drain(self, timeout: float) -> None:
@@ -179,6 +181,8 @@ class AsyncEngine:
             if stream is None:
                 continue
             stream.queue.put_nowait(out)
+            if out.token_ids or out.finished:
+                stream.prefilled.set()
             if out.finished:
                 del self._streams[out.request_id]
 
@@ -187,6 +191,7 @@ class AsyncEngine:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream.queue.put_nowait(EngineError(f"engine failure: {type(exc).__name__}: {exc}"))
+                stream.prefilled.set()
 
     # ----------------------------------------------------------------- worker thread
     def _run(self) -> None:

@@ -91,13 +91,21 @@ class _Generation:
             if sched.num_active + total > sched.capacity:  # all or none: no choice admitted to be aborted
                 raise QueueFullError(f"too many requests in flight ({sched.num_active}) for {total} more; "
                                      "retry later")
-            for k in range(total):
+            # with prefix caching, each prompt's first choice is prefilled before its others are
+            # admitted, so they find its pages in the cache instead of computing them again
+            staged = st.engine.pool.prefix_caching and n > 1
+            order = sorted(range(total), key=lambda k: k % n) if staged else range(total)
+            for i, k in enumerate(order):
                 prompt, j = prompts[k // n], k % n
+                if staged and i == len(prompts):  # every prompt's first choice is in: wait for their prefills
+                    for c in self.choices:
+                        await c.stream.prefilled.wait()
                 stream = await sched.add(self.rid if k == 0 else f"{self.rid}-{k}", prompt,
                                          replace(params, seed=_nth_seed(params.seed, j)), max_tokens=max_tokens,
                                          spec=self.spec.enabled, block_size=self.spec.block_size)
                 self.choices.append(Choice(k, stream, first_of_prompt=j == 0,
                                            echo_logprobs=echo and req.num_logprobs() is not None))
+            self.choices.sort(key=lambda c: c.index)
         except BaseException as e:
             self._abort()  # the choices admitted before one was refused (or the handler cancelled)
             if isinstance(e, QueueFullError):

@@ -58,12 +58,14 @@ class SamplingParams:
     skip_special_tokens: bool = True  # special tokens (other than the stop token) left out of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     structured_outputs: StructuredOutputs | None = None
+    bad_words: list[str] = field(default_factory=list)  # never completed in the output (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         self.validate()  # as vLLM: a bad value fails here, not once generation starts
 
     @property
@@ -72,8 +74,8 @@ class SamplingParams:
 
     @property
     def has_logit_mask(self) -> bool:
-        """A logit bias or an allowed-token list changes the distribution at every position."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """A logit bias, an allowed-token list or bad words change the distribution."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def has_penalties(self) -> bool:
@@ -99,6 +101,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must be non-empty strings, got {w!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {t!r}")

@@ -94,3 +94,20 @@ def test_ids_outside_the_vocabulary_are_refused(folders):
     with pytest.raises(ValueError, match="only stop tokens"):
         engine.add_request("bad", [1, 2, 3], SamplingParams(min_tokens=2, allowed_token_ids=eos))
     assert not engine.has_unfinished()
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    """A bad word's last token is banned in the rows whose context (output, then the drafts before
+    the row) ends with its other tokens; a one-token bad word is banned everywhere."""
+    from types import SimpleNamespace
+
+    from dspark.engine.logits_processors import process_logits
+    from dspark.engine.verify import Work
+
+    params = SamplingParams(temperature=0.0, bad_words=["x"])  # the words themselves are tokenized by the engine
+    seq = SimpleNamespace(params=params, output_ids=[1, 2], prompt_ids=[0], eos_ids=frozenset(), grammar=None,
+                          early_stop_ids=frozenset(), seq_id=0, bad_word_ids=[[2, 3, 4], [7]])
+    w = Work(seq, "decode", [2, 3, 5], drafts=[3, 5], samples=True)
+    out = process_logits([w], torch.zeros(3, 10))
+    banned = [set(torch.isinf(row).nonzero()[:, 0].tolist()) for row in out]
+    assert banned == [{7}, {4, 7}, {7}]  # row 1 follows 2, 3: the word 2 3 4 would be complete

@@ -92,3 +92,13 @@ def test_stop_token_text_kept_when_asked(server):
     kept = _post(server, "/v1/completions", {**body, "include_stop_str_in_output": True})["choices"][0]
     assert cut["stop_reason"] == kept["stop_reason"] == comma
     assert kept["text"] == cut["text"] + "," and "," not in cut["text"]
+
+
+def test_bad_words_never_written(server):
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    free = _post(server, "/v1/chat/completions", {"messages": prompt, "max_tokens": 12})
+    word = next(w.strip(".,") for w in free["choices"][0]["message"]["content"].split() if len(w) > 3)
+    body = {"messages": prompt, "max_tokens": 12, "bad_words": [word]}
+    out = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    plain = _post(server, "/v1/chat/completions", {**body, "speculation": {"enabled": False}})
+    assert word not in out and out == plain["choices"][0]["message"]["content"]

@@ -26,7 +26,7 @@ from dspark.engine.detokenizer import decode_new_text, find_stop
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.logprobs import attach_logprobs, attach_prompt_logprobs
 from dspark.engine.model_runner import ModelRunner
-from dspark.engine.prompts import ChatPrompt, encode_prompt
+from dspark.engine.prompts import ChatPrompt, bad_word_token_ids, encode_prompt
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.spec import SpecRunner
 from dspark.engine.structured import GrammarCache
@@ -140,6 +140,7 @@ class Engine:
                        early_stop_ids=early, spec_enabled=spec, block_size=block_size)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars().matcher(params.structured_outputs)
+        seq.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         self.seqs[request_id] = seq
         self.planner.waiting.append(seq)
         return seq

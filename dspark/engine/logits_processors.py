@@ -10,7 +10,8 @@ as they are (a copy is processed): logprobs report them, as vLLM's do by default
 
 Penalties follow vLLM: repetition (HF's: a seen token's positive logit divided by it, a negative
 one multiplied) over prompt and output; frequency (times the count) and presence (once) over
-the output only. Then the logit bias is added and tokens outside allowed_token_ids are masked.
+the output only. Then the logit bias is added, tokens outside allowed_token_ids are masked, and
+so is the last token of any bad word the output would complete.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def process_logits(works: list[Work], logits: torch.Tensor | None) -> torch.Tens
             logits[at:at + n] = _penalize(w, logits[at:at + n], prefixes)
         if w.seq.params.has_logit_mask:
             _bias(w, logits[at:at + n])
+            _ban_bad_words(w, logits[at:at + n], prefixes)
         if w.seq.grammar is not None:
             mask_rows(w.seq.grammar, logits[at:at + n], prefixes)
         _ban_early_stops(w, logits[at:at + n], prefixes)
@@ -94,6 +96,16 @@ def _bias(w: Work, rows: torch.Tensor) -> None:
         banned = torch.ones(rows.shape[-1], dtype=torch.bool, device=dev)
         banned[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = False
         rows[:, banned] = float("-inf")
+
+
+def _ban_bad_words(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> None:
+    """-inf (in place) for the last token of every bad word whose other tokens end a row's context."""
+    for j, prefix in enumerate(prefixes):
+        context = w.seq.output_ids + prefix
+        for ids in w.seq.bad_word_ids:
+            head = ids[:-1]
+            if ids[-1] < rows.shape[-1] and (not head or context[-len(head):] == head):
+                rows[j, ids[-1]] = float("-inf")
 
 
 def _ban_early_stops(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> None:

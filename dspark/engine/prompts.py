@@ -66,3 +66,16 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | list[dic
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
         return list(prompt)
     raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
+
+
+def bad_word_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word as the token sequences that would write it (vLLM's rule): the word itself,
+    and with a leading space when that is another token sequence of the same length."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out

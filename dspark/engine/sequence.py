@@ -104,6 +104,7 @@ class Sequence:
     block_size: int | None = None
     plain_step: bool = False  # this step decodes without drafts: free pages could not hold its drafts
     grammar: object | None = None  # structured outputs: an xgrammar matcher at the committed output
+    bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words as token sequences
 
     @property
     def all_ids(self) -> list[int]:

@@ -23,7 +23,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "use_beam_search": (None, False),
     # vLLM's extra sampling and template fields
-    "bad_words": (None, []), "chat_template": (None,), "tool_choice": (None, "none", "auto"),
+    "chat_template": (None,), "tool_choice": (None, "none", "auto"),
 }
 
 
@@ -92,6 +92,7 @@ class _Common(_Strict):
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: a non-streamed choice's prompt_logprobs
     include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
@@ -126,7 +127,7 @@ class _Common(_Strict):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens,
-            structured_outputs=requested_constraint(self),
+            structured_outputs=requested_constraint(self), bad_words=list(self.bad_words or []),
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
             repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty))

@@ -21,7 +21,7 @@ def test_pool_shares_registered_pages_and_evicts_the_oldest_unheld():
     pool = PagePool(6, page_size=4, prefix_caching=True)
     ids = list(range(100, 114))  # 3 full pages + 2 tokens
     pool.reserve(1, 14)
-    pool.register(1, ids, 14)  # pages 0-2 are full and committed
+    pool.register(1, lambda a, b: ids[a:b], 14)  # pages 0-2 are full and committed
     assert pool.match_prefix(2, ids, limit=13) == 12  # all three, shared
     assert pool.tables[2].pages == pool.tables[1].pages[:3] and pool.num_free == 2
     assert pool.match_prefix(3, ids[:5] + [0] * 9, limit=13) == 4  # the first page only
@@ -38,7 +38,7 @@ def test_pool_shares_registered_pages_and_evicts_the_oldest_unheld():
     assert pool.num_free == 1 and pool.match_prefix(7, ids, limit=13) == 4
     off = PagePool(4, page_size=4)
     off.reserve(1, 8)
-    off.register(1, ids, 8)
+    off.register(1, lambda a, b: ids[a:b], 8)
     assert off.match_prefix(2, ids, limit=13) == 0
 
 

@@ -114,9 +114,7 @@ class Engine:
         params.validate()
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.encode(prompt)
-        if params.truncate_prompt_tokens is not None:
-            ids = ids[-params.truncate_prompt_tokens:]
+        ids = self.prompt_ids(prompt, params)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -153,6 +151,12 @@ class Engine:
 
     def encode(self, prompt: str | list[int] | list[dict] | ChatPrompt) -> list[int]:
         return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt)
+
+    def prompt_ids(self, prompt: str | list[int] | list[dict] | ChatPrompt, params: SamplingParams) -> list[int]:
+        """The token ids the engine runs for a prompt: encoded, then truncated as the request asks."""
+        ids = self.encode(prompt)
+        k = params.truncate_prompt_tokens
+        return ids if k is None else ids[-k:]
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its pages at once; False if it is unknown or finished."""
@@ -233,7 +237,7 @@ class Engine:
                 self.pool.truncate(w.seq.seq_id, w.seq.num_cached)
                 self.pool.tables[w.seq.seq_id].num_tokens = w.seq.num_cached
                 if share:
-                    self.pool.register(w.seq.seq_id, w.seq.all_ids, w.seq.num_cached)
+                    self.pool.register(w.seq.seq_id, w.seq.token_range, w.seq.num_cached)
         return [w.seq for w in works]
 
     def _compact(self, seq: Sequence, start: int, kept: list[int]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,15 +105,16 @@ class PagePool:
         table.num_tokens = len(table.pages) * ps
         return table.num_tokens
 
-    def register(self, seq_id: int, token_ids: list[int], num_cached: int) -> None:
+    def register(self, seq_id: int, tokens: Callable[[int, int], list[int]], num_cached: int) -> None:
         """Make the full pages among a sequence's first num_cached tokens (computed, committed)
-        available to later requests with the same prefix."""
+        available to later requests with the same prefix. tokens(start, end): the sequence's
+        token ids there, read only for a page that has just filled (this runs every step)."""
         table = self.tables.get(seq_id)
         if not self.prefix_caching or table is None:
             return
         ps = self.page_size
         for i in range(len(table.hashes), min(num_cached // ps, len(table.pages))):
-            h = self._hash(table.hashes[-1] if table.hashes else b"", token_ids[i * ps:(i + 1) * ps])
+            h = self._hash(table.hashes[-1] if table.hashes else b"", tokens(i * ps, (i + 1) * ps))
             table.hashes.append(h)
             page = table.pages[i]
             if h not in self._page_of and page not in self._hash_of:  # else another page holds it already

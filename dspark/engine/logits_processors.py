@@ -100,8 +100,11 @@ def _bias(w: Work, rows: torch.Tensor) -> None:
 
 def _ban_bad_words(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> None:
     """-inf (in place) for the last token of every bad word whose other tokens end a row's context."""
+    if not w.seq.bad_word_ids:
+        return
+    longest = max(len(ids) for ids in w.seq.bad_word_ids) - 1  # the context a word's head can span
     for j, prefix in enumerate(prefixes):
-        context = w.seq.output_ids + prefix
+        context = (w.seq.output_ids[-longest:] if longest else []) + prefix
         for ids in w.seq.bad_word_ids:
             head = ids[:-1]
             if ids[-1] < rows.shape[-1] and (not head or context[-len(head):] == head):

@@ -110,6 +110,15 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_range(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
     @property
     def num_tokens(self) -> int:
         """len(all_ids) without building the list."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -76,28 +78,35 @@ def schema_text(schema: object) -> str:
     return schema if isinstance(schema, str) else json.dumps(schema)
 
 
+@contextmanager
+def tentatively(matcher, tokens: list[int]) -> Iterator[bool]:  # noqa: ANN001 - a GrammarMatcher
+    """Accept tokens into the matcher for the block, then roll them back whatever happens. Yields
+    whether the grammar took them all and is still open: after a refused token, or after an EOS
+    that ends the grammar, nothing can follow."""
+    taken = 0
+    try:
+        for tok in tokens:
+            if not matcher.accept_token(tok):
+                break
+            taken += 1
+        yield taken == len(tokens) and not matcher.is_terminated()
+    finally:
+        if taken:
+            matcher.rollback(taken)
+
+
 def mask_rows(matcher, rows: torch.Tensor, prefixes: list[list[int]]) -> None:  # noqa: ANN001 - a GrammarMatcher
     """Set every token the grammar refuses to -inf in each row (in place); prefixes[i]: the
-    drafts before row i, accepted tentatively and rolled back."""
+    drafts before row i, accepted tentatively."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(prefixes), rows.shape[-1])
     for i, prefix in enumerate(prefixes):  # prefixes[0] is empty: the request's own state
-        taken = 0
-        try:
-            for tok in prefix:
-                if not matcher.accept_token(tok):
-                    break
-                taken += 1
-            # after a refused draft, or after an accepted EOS that ends the grammar, the row is
-            # never read: acceptance stops before it, or the request ends at the EOS
-            if taken == len(prefix) and not matcher.is_terminated():
+        with tentatively(matcher, prefix) as open_:
+            if open_:
                 matcher.fill_next_token_bitmask(bitmask, i)
-            else:
+            else:  # the row is never read: acceptance stops before it, or the request ends at the EOS
                 bitmask[i] = bitmask[0]
-        finally:
-            if taken:
-                matcher.rollback(taken)
     xgr.apply_token_bitmask_inplace(rows, bitmask.to(rows.device))
 
 
@@ -109,6 +118,15 @@ def allowed_tokens(matcher, vocab: int) -> torch.Tensor:  # noqa: ANN001 - a Gra
     matcher.fill_next_token_bitmask(bitmask)
     bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.flatten()[:vocab].bool()
+
+
+def draftable(matcher, vocab: int, to_target: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """The drafter's columns (logits [V or draft V]) that the grammar admits next and the drafter
+    can propose: a sampled row spans the target vocabulary, yet its head fills only its own."""
+    allowed = allowed_tokens(matcher, vocab).to(logits.device)  # the bitmask is on the CPU
+    if to_target is not None:
+        allowed = allowed[to_target]
+    return allowed & torch.isfinite(logits)
 
 
 class DraftConstraint:
@@ -130,19 +148,11 @@ class DraftConstraint:
         """Position k's logits [R, V or draft V] with what each live row's grammar refuses at -inf."""
         for r in self._live():
             m = self.matchers[r]
-            if m.is_terminated():
+            allowed = None if m.is_terminated() else draftable(m, self.vocab, self.to_target, logits[r])
+            if allowed is None or not bool(allowed.any()):
                 self.stop[r] = k
-                continue
-            allowed = allowed_tokens(m, self.vocab).to(logits.device)  # the bitmask is on the CPU
-            if self.to_target is not None:
-                allowed = allowed[self.to_target]
-            # a sampled row's logits span the target vocabulary but the drafter's head fills only
-            # its own tokens: what the grammar admits must also be something it can propose
-            allowed &= torch.isfinite(logits[r])
-            if not bool(allowed.any()):
-                self.stop[r] = k
-                continue
-            logits[r].masked_fill_(~allowed, float("-inf"))
+            else:
+                logits[r].masked_fill_(~allowed, float("-inf"))
         return logits
 
     def advance(self, tokens: torch.Tensor, k: int) -> None:
@@ -164,9 +174,9 @@ class DraftConstraint:
 
 class TreeConstraint:
     """Keeps a batch's draft trees inside their requests' grammars: each node's children are
-    masked to what the grammar admits after the node's path (accepted tentatively, then rolled
-    back); a node whose grammar admits nothing the drafter can propose (or has ended) is dead,
-    and build_trees drops its children."""
+    masked to what the grammar admits after the node's path (accepted tentatively); a node whose
+    grammar admits nothing the drafter can propose (or has ended) is dead, and build_trees drops
+    its children."""
 
     def __init__(self, matchers: list, vocab: int, to_target: torch.Tensor | None):
         self.matchers, self.vocab, self.to_target = matchers, vocab, to_target
@@ -179,27 +189,12 @@ class TreeConstraint:
         logits = logits.clone()  # often an expanded view of one row per request
         dead = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
         for r, m in enumerate(self.matchers):
-            if m is None:
-                continue
-            for w, path in enumerate(paths[r]):
-                if not alive[r][w]:
-                    dead[r, w] = True
-                    continue
-                taken = 0
-                try:
-                    for tok in path:
-                        if not m.accept_token(tok):
-                            break
-                        taken += 1
-                    allowed = None
-                    if taken == len(path) and not m.is_terminated():
-                        allowed = allowed_tokens(m, self.vocab).to(logits.device)
-                        if self.to_target is not None:
-                            allowed = allowed[self.to_target]
-                        allowed &= torch.isfinite(logits[r, w])
-                finally:
-                    if taken:
-                        m.rollback(taken)
+            for w, path in enumerate(paths[r] if m is not None else ()):
+                allowed = None
+                if alive[r][w]:
+                    with tentatively(m, path) as open_:
+                        if open_:
+                            allowed = draftable(m, self.vocab, self.to_target, logits[r, w])
                 if allowed is None or not bool(allowed.any()):
                     dead[r, w] = True
                 else:

@@ -233,9 +233,7 @@ class AsyncEngine:
             return
         eng = self.engine
         try:
-            ids = eng.encode(cmd.prompt)
-            if cmd.params.truncate_prompt_tokens is not None:  # sized and checked as the engine will run it
-                ids = ids[-cmd.params.truncate_prompt_tokens:]
+            ids = eng.prompt_ids(cmd.prompt, cmd.params)  # sized and checked as the engine will run it
             n, limit = len(ids), eng.max_model_len
             cmd.params.max_tokens = cmd.max_tokens if cmd.max_tokens is not None else max(1, limit - n)
             if 0 < n < limit and n + cmd.params.max_tokens > limit:

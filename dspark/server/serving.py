@@ -119,11 +119,11 @@ class _Generation:
                 raise APIError(400, str(e), param=param) from None
             raise
         if echo:  # each prompt as text (token ids decoded once the engine took them), as truncated
-            k, tok = req.truncate_prompt_tokens, st.engine.tokenizer
+            tok = st.engine.tokenizer
             for c in self.choices:
                 prompt = prompts[c.index // n]
-                if k is not None:
-                    c.echo = tok.decode(st.engine.encode(prompt)[-k:])
+                if req.truncate_prompt_tokens is not None:
+                    c.echo = tok.decode(st.engine.prompt_ids(prompt, params))
                 else:
                     c.echo = prompt if isinstance(prompt, str) else tok.decode(prompt)
         if req.stream:

@@ -23,12 +23,14 @@ class ChatPrompt:
     """Chat messages and how the template renders them (vLLM's chat request options):
     add_generation_prompt opens the assistant's turn; continue_final_message instead leaves the
     last (assistant) message open, so the model continues it; template_kwargs are extra template
-    variables (a model's `enable_thinking`, say)."""
+    variables (a model's `enable_thinking`, say); tools are the function definitions the
+    template may show the model (OpenAI's `tools` entries)."""
 
     messages: list[dict]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict = field(default_factory=dict)
+    tools: list[dict] | None = None
 
     def validate(self) -> None:
         if not self.messages:
@@ -56,7 +58,8 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | list[dic
         try:
             out = tokenizer.apply_chat_template(
                 prompt.messages, add_generation_prompt=prompt.add_generation_prompt,
-                continue_final_message=prompt.continue_final_message, tokenize=True, **prompt.template_kwargs)
+                continue_final_message=prompt.continue_final_message, tools=prompt.tools, tokenize=True,
+                **prompt.template_kwargs)
         except Exception as e:  # the template's own checks (e.g. roles that must alternate)
             raise PromptError(f"the chat template rejected the messages: {e}", "messages") from e
         return list(out["input_ids"] if hasattr(out, "keys") else out)

@@ -16,6 +16,7 @@ from dspark.server.responses import (
     usage,
     vllm_prompt_logprobs,
 )
+from dspark.server.tools import ToolCalling, new_call_id
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Choice:
     logprobs_sent: int = 0  # output tokens whose logprobs were sent
     text_offset: int = 0  # completion characters those tokens span (the next text_offset)
     final: RequestOutput | None = None
+    tool_call_id: str | None = None  # a streamed named tool call: its id, once its first delta went out
+    tool_text: str = ""  # a streamed "required" tool choice: the output so far (parsed when it ends)
 
 
 @dataclass
@@ -45,6 +48,7 @@ class ChoiceRenderer:
     spec_enabled: bool
     num_logprobs: int | None = None  # per output token (completions: also per echoed prompt token)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, when asked
+    tools: ToolCalling | None = None  # the output is tool calls (tool_choice "required" or named)
 
     def __post_init__(self) -> None:
         self._text: dict[int, str] = {}  # token id -> its text (alternatives repeat)
@@ -89,8 +93,14 @@ class ChoiceRenderer:
         build = chat_body if self.chat else completion_body
         bodies = []
         for c, out in zip(choices, outs):
-            choice = build(self.rid, self.created, self.model, c.echo + out.text, out.finish_reason,
-                           stop_reason=out.stop_reason, logprobs=self.logprobs(out, c), index=c.index)["choices"][0]
+            text, finish, calls = c.echo + out.text, out.finish_reason, None
+            if self.tools is not None:
+                calls = self.tools.calls(out.text)
+                if calls is not None:
+                    text, finish = None, self._tool_finish(out)
+            extra = {"tool_calls": calls} if calls else {}
+            choice = build(self.rid, self.created, self.model, text, finish, stop_reason=out.stop_reason,
+                           logprobs=self.logprobs(out, c), index=c.index, **extra)["choices"][0]
             if self.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids,
                                                                  self.prompt_logprobs, self.token_text)
@@ -115,6 +125,38 @@ class ChoiceRenderer:
         spec = self.speculation([out]) if out.finished else None
         stop = out.stop_reason if out.finished else None
         text = c.echo + out.new_text if c.echo_logprobs else out.new_text
+        if self.tools is not None:
+            return self._tool_chunk(out, c, finish, spec, stop)
         build = chat_body if self.chat else completion_body
         return build(self.rid, self.created, self.model, text, finish, speculation=spec, chunk=True,
                      stop_reason=stop, logprobs=self.logprobs(out, c), index=c.index)
+
+    def _tool_finish(self, out: RequestOutput) -> str | None:
+        """finish_reason of an output read as tool calls: "tool_calls" for tool_choice "required",
+        and, as OpenAI answers a named function, the output's own for a named one."""
+        return "tool_calls" if self.tools.named is None else out.finish_reason
+
+    def _tool_chunk(self, out: RequestOutput, c: Choice, finish: str | None, spec: dict | None,
+                    stop: int | str | None) -> dict | None:
+        """A named function's arguments stream as they come (the first delta with the call's id and
+        name); "required" calls go out whole when the output ends, as text if it is not complete JSON."""
+        calls, text = None, None
+        if self.tools.named is not None:
+            if out.new_text:
+                call: dict = {"index": 0, "function": {"arguments": out.new_text}}
+                if c.tool_call_id is None:
+                    c.tool_call_id = new_call_id()
+                    call = {"index": 0, "id": c.tool_call_id, "type": "function",
+                            "function": {"name": self.tools.named, "arguments": out.new_text}}
+                calls = [call]
+        else:
+            c.tool_text += out.new_text
+            if not out.finished:
+                return None
+            parsed = self.tools.calls(c.tool_text)
+            if parsed is None:
+                text = c.tool_text
+            else:
+                calls, finish = [{"index": i} | call for i, call in enumerate(parsed)], self._tool_finish(out)
+        return chat_body(self.rid, self.created, self.model, text, finish, speculation=spec, chunk=True,
+                         stop_reason=stop, logprobs=self.logprobs(out, c), index=c.index, tool_calls=calls)

@@ -1,5 +1,6 @@
 """The request fields that constrain the output: OpenAI's response_format and vLLM's
-structured_outputs and guided_* fields, read into one StructuredOutputs (one per request)."""
+structured_outputs and guided_* fields (and a chat request's tool_choice, see tools.py), read
+into one StructuredOutputs (one per request)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ def requested_constraint(req: Any) -> StructuredOutputs | None:
         value = getattr(req, name)
         if value is not None:
             found.append(StructuredOutputs(field=name, **kw(value)))
+    tools = req.tool_calling() if hasattr(req, "tool_calling") else None
+    if tools is not None:
+        found.append(StructuredOutputs(json=schema_text(tools.schema()), field="tool_choice"))
     if len(found) > 1:
         raise StructuredOutputError(f"{found[1].field}: one output constraint per request "
                                     f"({found[0].field} gives one already)", found[1].field)

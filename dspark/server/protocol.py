@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from dspark.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 from dspark.engine.prompts import ChatPrompt
 from dspark.server.constraints import ResponseFormat, StructuredOutputsOptions, requested_constraint
+from dspark.server.tools import NamedToolChoice, ToolCall, ToolCalling, ToolDefinition, check_tool_choice, check_tools
 
 MAX_N = 64  # choices per request, each an engine request of its own
 
@@ -194,12 +195,23 @@ class ChatMessage(_Strict):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def as_dict(self) -> dict:
-        """{"role", "content"} for the chat template ("developer" becomes "system")."""
+        """{"role", "content"} for the chat template ("developer" becomes "system"), with the
+        tool-call fields that are set."""
         # text parts joined by newlines, as vLLM's chat_utils does
         text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_Common):
@@ -213,10 +225,32 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True  # vLLM's template options (see engine/prompts.py)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults); checked even when absent
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, validate_default=True)
+    parallel_tool_calls: bool | None = None
 
     def chat_prompt(self) -> ChatPrompt:
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
         return ChatPrompt([m.as_dict() for m in self.messages], self.add_generation_prompt,
-                          self.continue_final_message, dict(self.chat_template_kwargs or {}))
+                          self.continue_final_message, dict(self.chat_template_kwargs or {}), tools)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        return check_tools(v)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any, info: ValidationInfo) -> Any:
+        return check_tool_choice(v, info.data.get("tools"))
+
+    def tool_calling(self) -> ToolCalling | None:
+        """How the output becomes tool calls (tool_choice "required" or a named function), or None."""
+        if self.tool_choice is None:
+            return None
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        return ToolCalling(tuple(t.function for t in self.tools), named, self.parallel_tool_calls is not False)
 
     @field_validator("top_logprobs")
     @classmethod

@@ -82,19 +82,25 @@ def completion_body(rid: str, created: int, model: str, text: str, finish_reason
 def chat_body(rid: str, created: int, model: str, content: str | None, finish_reason: str | None,
               usage_: dict | None = None, speculation: dict | None = None, chunk: bool = False,
               role: bool = False, stop_reason: int | str | None = None, logprobs: dict | None = None,
-              index: int = 0) -> dict:
-    """A chat.completion object, or one chat.completion.chunk (a delta) when chunk."""
+              index: int = 0, tool_calls: list[dict] | None = None) -> dict:
+    """A chat.completion object, or one chat.completion.chunk (a delta) when chunk; tool_calls
+    go into the message (whose content is then null) or the delta."""
     if chunk:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if content:
             delta["content"] = content
         elif role:
             delta["content"] = ""
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                   "stop_reason": stop_reason}
     else:
-        choice = {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
     body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
                             "created": created, "model": model, "choices": [choice]}
     if not chunk or usage_ is not None:

@@ -83,7 +83,8 @@ class _Generation:
                            param="n" if len(prompts) == 1 else "prompt")
         echo = not self.chat and bool(req.echo)
         self.render = ChoiceRenderer(self.rid, int(time.time()), model, self.chat, st.engine.tokenizer,
-                                     st.engine.spec.name, self.spec.enabled, req.num_logprobs(), req.prompt_logprobs)
+                                     st.engine.spec.name, self.spec.enabled, req.num_logprobs(), req.prompt_logprobs,
+                                     req.tool_calling() if self.chat else None)
         try:
             params = req.sampling_params(max_tokens)
             if params.structured_outputs is not None:  # compiled off the engine's thread

@@ -1,0 +1,156 @@
+"""Function calling (OpenAI's tools and tool_choice) as vLLM serves it without a model-specific
+tool-call parser: tool_choice "required" or a named function constrains the output to JSON (a
+structured output), which the response returns as the message's tool_calls; "none" only shows
+the tools to the chat template. "auto" would need a parser for the model's own tool-call format,
+which this server does not have, so it is refused (as vLLM does without --tool-call-parser)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+# a function without parameters still takes a JSON object, as OpenAI treats it
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: its name, description and JSON-schema parameters."""
+
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of `tools`."""
+
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    """tool_choice.function: the function the model must call."""
+
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one function: {"type": "function", "function": {"name": ...}}."""
+
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    """An earlier call's function and its arguments (JSON text), in an assistant message."""
+
+    model_config = _STRICT
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v: str) -> str:
+        try:
+            json.loads(v)
+        except json.JSONDecodeError:
+            raise ValueError("arguments must be JSON text") from None
+        return v
+
+
+class ToolCall(BaseModel):
+    """An earlier tool call in the conversation (an assistant message's tool_calls)."""
+
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """As chat templates take it: arguments as an object (vLLM's convention), not JSON text."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
+
+
+def check_tool_choice(choice: Any, tools: list[ToolDefinition] | None) -> Any:
+    """tool_choice as given, or None where it means "none"; a ValueError for a choice this server
+    cannot serve ("auto", which is also the default when tools are given) or that names no tool."""
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if not tools:
+        raise ValueError("tool_choice needs tools")
+    if choice == "auto":
+        raise ValueError('"auto" (the default when tools are given) needs a parser for the model\'s own '
+                         'tool-call format, which this server does not have: set tool_choice to "required", '
+                         'a named function or "none"')
+    names = [t.function.name for t in tools]
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise ValueError(f"function {choice.function.name!r} is not among the tools")
+    return choice
+
+
+def check_tools(tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+    names = [t.function.name for t in tools or []]
+    repeated = next((n for n in names if names.count(n) > 1), None)
+    if repeated is not None:
+        raise ValueError(f"two tools are named {repeated!r}")
+    return tools
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """How a request's output becomes tool calls: the arguments of one named function, or
+    ("required", named is None) a JSON list of {"name", "parameters"} calls, at most one when
+    parallel calls are off."""
+
+    functions: tuple[FunctionDefinition, ...]
+    named: str | None = None
+    parallel: bool = True
+
+    def schema(self) -> dict:
+        """The JSON schema the output is held to."""
+        if self.named is not None:
+            f = next(f for f in self.functions if f.name == self.named)
+            return f.parameters or _NO_PARAMETERS
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f.name]},
+                                                   "parameters": f.parameters or _NO_PARAMETERS},
+                  "required": ["name", "parameters"]} for f in self.functions]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return schema
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The OpenAI tool_calls an output's text makes, or None where it is not complete JSON
+        (an output cut by max_tokens)."""
+        if self.named is not None:
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                return None
+            return [self._call(self.named, text)]
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+
+    @staticmethod
+    def _call(name: str, arguments: str) -> dict:
+        return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}

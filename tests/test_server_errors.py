@@ -65,7 +65,7 @@ INVALID = [
     (CHAT, {"messages": [{"role": "user", "content": 7}]}, "messages.0.content"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHAT, {"messages": MSGS, "max_completion_tokens": 100_000}, "max_completion_tokens"),
-    (CHAT, {"messages": MSGS, "n": 65}, "n"), (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
+    (CHAT, {"messages": MSGS, "n": 65}, "n"), (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools.0.function"),
     (C, {"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
     (CHAT, {"messages": MSGS, "frequency_penalty": "high"}, "frequency_penalty"),
     (C, {"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),

@@ -1,0 +1,78 @@
+"""Where a speculative step's time goes at batch 1: the target's forward, the drafter's proposal
+(block forward, draft logits, Markov steps) and its context write, per step and per call.
+
+    .venv/bin/python scripts/step_costs.py [--num-prompts 4] [--max-tokens 128] [--spec-policy fixed]
+
+Greedy generation on the first dev prompts with the default model and drafter, timers wrapped
+around the engine's and the drafter's methods (nested: the drafter's parts are inside propose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+from dspark.config import SamplingParams
+from dspark.llm import LLM
+
+ORDER = ["step", "target forward", "propose", "  block forward", "  draft logits", "  Markov steps", "  confidence",
+         "commit", "  context K/V write"]
+DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev_prompts.jsonl"
+
+
+def timed(totals: dict, counts: collections.Counter, obj, name: str, label: str) -> None:
+    """Replace obj.name with a wrapper adding its wall time to totals[label]."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - t
+            counts[label] += 1
+
+    setattr(obj, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--spec-policy", default="fixed", choices=["fixed", "threshold", "load-aware"])
+    ap.add_argument("--prompts", default=str(DEV))
+    args = ap.parse_args()
+    llm = LLM(policy=args.spec_policy)
+    engine, spec = llm.engine, llm.engine.spec
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: collections.Counter = collections.Counter()
+    timed(totals, counts, engine, "step", "step")
+    timed(totals, counts, engine.runner, "forward", "target forward")
+    if spec.name == "dspark":
+        for name, label in (("propose", "propose"), ("block_forward", "  block forward"), ("commit", "commit")):
+            timed(totals, counts, spec, name, label)
+        for name, label in (("draft_logits", "  draft logits"), ("step_logits", "  Markov steps"),
+                            ("confidence", "  confidence"), ("write_context", "  context K/V write")):
+            timed(totals, counts, spec.drafter, name, label)
+    prompts = [json.loads(line)["prompt"] for line in open(args.prompts, encoding="utf-8")][:args.num_prompts]
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    llm.generate([[{"role": "user", "content": prompts[0]}]], SamplingParams(max_tokens=8))  # warm-up
+    totals.clear()
+    counts.clear()
+    tokens = 0
+    for p in prompts:
+        tokens += len(llm.generate([[{"role": "user", "content": p}]], greedy)[0].token_ids)
+    steps = counts["step"]
+    print(f"{steps} steps, {tokens} tokens ({tokens / steps:.2f} a step), drafter {spec.name}, "
+          f"policy {args.spec_policy}")
+    for label in sorted(totals, key=ORDER.index):
+        per_step = 1000 * totals[label] / steps
+        per_call = 1000 * totals[label] / counts[label]
+        print(f"{label:<22} {per_step:7.2f} ms/step  {counts[label]:6d} calls  {per_call:7.3f} ms/call")
+
+
+if __name__ == "__main__":
+    main()

@@ -75,6 +75,7 @@ def test_a_model_that_fails_to_load_records_nothing(prompts, tmp_path, capsys):
     (["generate", "--prompt", "hi", "--model", "/nonexistent/model"], "does not exist"),
     (["generate", "--prompt", "hi", "--drafter", "/nonexistent/drafter"], "is not a folder"),
     (["serve", "--model", "/nonexistent/model"], "does not exist"),
+    (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
 ])
 def test_checked_before_loading(argv, words, prompts, capsys):
     if argv[0] == "eval-drafter":

@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from server_helpers import error_of, serve, sse_data, shared_engine_or_skip
+from server_helpers import error_of, serve, shared_engine_or_skip, sse_data
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 pytest.importorskip("xgrammar")

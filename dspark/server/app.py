@@ -29,6 +29,7 @@ from dspark.scheduler.scheduler import AsyncEngine
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import APIError, error_body
 from dspark.server.serving import add_generation_routes
+from dspark.server.tool_parsers import PARSERS
 
 logger = logging.getLogger("dspark.server")
 
@@ -60,7 +61,8 @@ class ServerState:
     """What one app owns: the engine once loaded, its scheduler and metrics, and the settings."""
 
     def __init__(self, served_model_name: str | list[str] | None, api_key: str | None, max_queue: int,
-                 shutdown_timeout: float, log_interval: float, metrics_window_s: float):
+                 shutdown_timeout: float, log_interval: float, metrics_window_s: float,
+                 tool_call_parser: str | None = None):
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
         self.names = names
         self.api_key = api_key or None
@@ -68,6 +70,7 @@ class ServerState:
         self.shutdown_timeout = shutdown_timeout
         self.log_interval = log_interval
         self.metrics_window_s = metrics_window_s
+        self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
         self.engine: Engine | None = None
         self.scheduler: AsyncEngine | None = None
         self.metrics: ServerMetrics | None = None
@@ -134,15 +137,20 @@ class ServerState:
 def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
                served_model_name: str | list[str] | None = None, api_key: str | None = None,
                max_queue: int = 256, shutdown_timeout: float = 30.0, log_interval: float = 5.0,
-               metrics_window_s: float = 10.0, allowed_origins: list[str] | tuple[str, ...] = ("*",)) -> FastAPI:
+               metrics_window_s: float = 10.0, allowed_origins: list[str] | tuple[str, ...] = ("*",),
+               tool_call_parser: str | None = None) -> FastAPI:
     """An app serving a loaded Engine, or an EngineConfig (None: defaults) loaded in the background.
 
     api_key: when set, /v1/* need `Authorization: Bearer <api_key>` (health and metrics stay open).
     allowed_origins: browser origins CORS admits (vLLM's default: any; credentials are never allowed).
     max_queue: requests allowed beyond max_num_seqs before 429. shutdown_timeout: seconds running
-    requests get to finish at shutdown before they are aborted.
+    requests get to finish at shutdown before they are aborted. tool_call_parser: the format
+    tool_choice "auto" reads tool calls in (vLLM's --tool-call-parser; None: "auto" is refused).
     """
-    state = ServerState(served_model_name, api_key, max_queue, shutdown_timeout, log_interval, metrics_window_s)
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}: choose one of {', '.join(PARSERS)}")
+    state = ServerState(served_model_name, api_key, max_queue, shutdown_timeout, log_interval, metrics_window_s,
+                        tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -21,11 +21,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config.validate()  # fail before binding the port
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
     app = create_app(config, served_model_name=args.served_model_name, api_key=api_key,
                      max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
-                     allowed_origins=args.allowed_origins)
+                     allowed_origins=args.allowed_origins,
+                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                timeout_graceful_shutdown=args.shutdown_timeout)
     GracefulServer(uv_config, app.state.dspark).run()
@@ -57,5 +60,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--allowed-origins", nargs="*", default=["*"],
                    help="browser origins allowed by CORS (default: any; none: CORS off)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": the model writes tool calls in its own format')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="that format (hermes: <tool_call>{...}</tool_call>, as Qwen2.5/Qwen3 write)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

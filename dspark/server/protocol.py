@@ -246,8 +246,9 @@ class ChatCompletionRequest(_Common):
         return check_tool_choice(v, info.data.get("tools"))
 
     def tool_calling(self) -> ToolCalling | None:
-        """How the output becomes tool calls (tool_choice "required" or a named function), or None."""
-        if self.tool_choice is None:
+        """How a constrained output becomes tool calls (tool_choice "required" or a named
+        function), or None ("none", or "auto", which a tool-call parser reads)."""
+        if self.tool_choice in (None, "auto"):
             return None
         named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
         return ToolCalling(tuple(t.function for t in self.tools), named, self.parallel_tool_calls is not False)

@@ -21,6 +21,7 @@ from dspark.scheduler.scheduler import EngineError, QueueFullError, RequestAbort
 from dspark.server.choices import Choice, ChoiceRenderer
 from dspark.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculationOptions, parse_request
 from dspark.server.responses import usage_chunk
+from dspark.server.tools import AUTO_NEEDS_PARSER
 
 if TYPE_CHECKING:
     from dspark.server.app import ServerState
@@ -73,6 +74,9 @@ class _Generation:
             prompts, max_tokens = req.prompt, req.max_tokens
         self.spec = req.speculation or SpeculationOptions()
         self._check_block_size()
+        auto_tools = self.chat and req.tool_choice == "auto"
+        if auto_tools and st.tool_call_parser is None:
+            raise APIError(400, f"tool_choice: {AUTO_NEEDS_PARSER}", param="tool_choice")
         if req.stream and req.prompt_logprobs is not None:  # as vLLM
             raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         n = req.n or 1
@@ -84,9 +88,11 @@ class _Generation:
         echo = not self.chat and bool(req.echo)
         self.render = ChoiceRenderer(self.rid, int(time.time()), model, self.chat, st.engine.tokenizer,
                                      st.engine.spec.name, self.spec.enabled, req.num_logprobs(), req.prompt_logprobs,
-                                     req.tool_calling() if self.chat else None)
+                                     req.tool_calling() if self.chat else None, auto_tools)
         try:
             params = req.sampling_params(max_tokens)
+            if auto_tools:  # a model's tool-call markers may be special tokens: keep them in the text
+                params = replace(params, skip_special_tokens=False)
             if params.structured_outputs is not None:  # compiled off the engine's thread
                 await asyncio.to_thread(lambda: st.engine.grammars().compile(params.structured_outputs))
             if sched.num_active + total > sched.capacity:  # all or none: no choice admitted to be aborted

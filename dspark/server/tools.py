@@ -1,8 +1,8 @@
-"""Function calling (OpenAI's tools and tool_choice) as vLLM serves it without a model-specific
-tool-call parser: tool_choice "required" or a named function constrains the output to JSON (a
-structured output), which the response returns as the message's tool_calls; "none" only shows
-the tools to the chat template. "auto" would need a parser for the model's own tool-call format,
-which this server does not have, so it is refused (as vLLM does without --tool-call-parser)."""
+"""Function calling (OpenAI's tools and tool_choice) as vLLM serves it: tool_choice "required" or
+a named function constrains the output to JSON (a structured output), which the response returns
+as the message's tool_calls; "none" only shows the tools to the chat template; "auto" lets the
+model write calls in its own format, read by a tool-call parser (tool_parsers.py) when the server
+has one, and is refused otherwise (as vLLM does without --tool-call-parser)."""
 
 from __future__ import annotations
 
@@ -82,19 +82,20 @@ class ToolCall(BaseModel):
                 "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
 
 
+AUTO_NEEDS_PARSER = ('"auto" (the default when tools are given) needs a parser for the model\'s own tool-call '
+                     'format, which this server was not started with (--enable-auto-tool-choice '
+                     '--tool-call-parser): set tool_choice to "required", a named function or "none"')
+
+
 def check_tool_choice(choice: Any, tools: list[ToolDefinition] | None) -> Any:
-    """tool_choice as given, or None where it means "none"; a ValueError for a choice this server
-    cannot serve ("auto", which is also the default when tools are given) or that names no tool."""
+    """tool_choice as given ("auto" by default when tools are given), or None where it means
+    "none"; a ValueError for a choice without tools or naming no tool."""
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
         return None
     if not tools:
         raise ValueError("tool_choice needs tools")
-    if choice == "auto":
-        raise ValueError('"auto" (the default when tools are given) needs a parser for the model\'s own '
-                         'tool-call format, which this server does not have: set tool_choice to "required", '
-                         'a named function or "none"')
     names = [t.function.name for t in tools]
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise ValueError(f"function {choice.function.name!r} is not among the tools")

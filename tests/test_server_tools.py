@@ -123,6 +123,44 @@ def test_a_conversation_with_earlier_tool_calls(server):
     assert r.status_code == 200, r.text
 
 
+def test_required_with_shared_definitions(server):
+    """Pydantic-made schemas keep their types under $defs; "required" nests each function's
+    parameters inside a list, so the references must still resolve."""
+    person = {"$defs": {"Person": {"type": "object", "properties": {"name": {"type": "string"}},
+                                   "required": ["name"], "additionalProperties": False}},
+              "type": "object", "properties": {"who": {"$ref": "#/$defs/Person"}}, "required": ["who"],
+              "additionalProperties": False}
+    greet = {"type": "function", "function": {"name": "greet", "parameters": person}}
+    r = _post(server, {"tools": [greet, TIME], "tool_choice": "required", "max_tokens": 96})
+    assert r.status_code == 200, r.text
+    for call in r.json()["choices"][0]["message"]["tool_calls"]:
+        if call["function"]["name"] == "greet":
+            assert isinstance(json.loads(call["function"]["arguments"])["who"]["name"], str)
+
+
+def test_a_named_call_cut_short_is_still_a_call(server):
+    r = _post(server, {"tools": [WEATHER], "tool_choice": NAMED, "max_tokens": 4})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["function"]["arguments"].startswith("{")
+
+
+def test_history_arguments_as_vllm_takes_them(server):
+    for arguments in ("", {"city": "Paris", "unit": "C"}, None):
+        messages = ASK + [{"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]
+        r = _post(server, {"messages": messages, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 4})
+        assert r.status_code == 200, (arguments, r.text)
+
+
+def test_auto_without_tools_is_off(server):
+    r = _post(server, {"tool_choice": "auto", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert "tool_calls" not in r.json()["choices"][0]["message"]
+
+
 def test_openai_client_reads_the_tool_call(server):
     pytest.importorskip("openai")
     out = server.openai().chat.completions.create(
@@ -139,13 +177,16 @@ def test_openai_client_reads_the_tool_call(server):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}],
+      "tool_choice": "none"}, "tools.0.function.parameters"),
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "none"},
      "tools.0.function.name"),
     ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools.0.type"),
     ({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
-      "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}],
       "tool_choice": "none"}, "messages.1.tool_calls.0.function.arguments"),
@@ -154,6 +195,8 @@ def test_bad_tool_requests_are_refused(server, body, param):
     r = _post(server, body)
     assert r.status_code == 400, r.text
     assert error_of(r)["param"] == param
+    if body.get("tool_choice") == {"type": "function", "function": {}}:
+        assert "function.name" in error_of(r)["message"]
 
 
 def test_completions_take_no_tools(server):

@@ -1,8 +1,8 @@
 """OpenAI request models (as vLLM accepts them) and the API error type.
 
 Requests are validated strictly: a wrong JSON type is an error, not coerced. Unknown fields
-are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (tools,
-chat echo, beam search, ...) are rejected when set to anything but their default.
+are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (chat
+echo, beam search, functions, ...) are rejected when set to anything but their default.
 """
 
 from __future__ import annotations
@@ -14,7 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from dspark.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 from dspark.engine.prompts import ChatPrompt
 from dspark.server.constraints import ResponseFormat, StructuredOutputsOptions, requested_constraint
-from dspark.server.tools import NamedToolChoice, ToolCall, ToolCalling, ToolDefinition, check_tool_choice, check_tools
+from dspark.server.tools import (
+    NamedToolChoice,
+    ToolCall,
+    ToolCalling,
+    ToolDefinition,
+    check_tool_choice,
+    check_tools,
+    named_choice,
+)
 
 MAX_N = 64  # choices per request, each an engine request of its own
 
@@ -239,6 +247,11 @@ class ChatCompletionRequest(_Common):
     @classmethod
     def _tools(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
         return check_tools(v)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _named_tool_choice(cls, v: Any) -> Any:
+        return named_choice(v)
 
     @field_validator("tool_choice")
     @classmethod

@@ -11,7 +11,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dspark.engine.structured import StructuredOutputError
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 # a function without parameters still takes a JSON object, as OpenAI treats it
@@ -26,6 +28,13 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":  # as OpenAI: arguments are an object
+            raise ValueError("must be the JSON schema of an object")
+        return v
 
 
 class ToolDefinition(BaseModel):
@@ -56,16 +65,19 @@ class FunctionCall(BaseModel):
 
     model_config = _STRICT
     name: str
-    arguments: str
+    arguments: str | dict[str, Any] | None = None  # JSON text; an object or nothing taken too, as vLLM
 
     @field_validator("arguments")
     @classmethod
-    def _json(cls, v: str) -> str:
+    def _json(cls, v: str | dict[str, Any] | None) -> dict[str, Any]:
+        if v is None or v == "":
+            return {}
+        if isinstance(v, dict):
+            return v
         try:
-            json.loads(v)
+            return json.loads(v)
         except json.JSONDecodeError:
             raise ValueError("arguments must be JSON text") from None
-        return v
 
 
 class ToolCall(BaseModel):
@@ -79,7 +91,7 @@ class ToolCall(BaseModel):
     def for_template(self) -> dict:
         """As chat templates take it: arguments as an object (vLLM's convention), not JSON text."""
         return {"id": self.id, "type": "function",
-                "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
+                "function": {"name": self.function.name, "arguments": self.function.arguments}}
 
 
 AUTO_NEEDS_PARSER = ('"auto" (the default when tools are given) needs a parser for the model\'s own tool-call '
@@ -87,10 +99,25 @@ AUTO_NEEDS_PARSER = ('"auto" (the default when tools are given) needs a parser f
                      '--tool-call-parser): set tool_choice to "required", a named function or "none"')
 
 
+def named_choice(v: Any) -> Any:
+    """A tool_choice object read as a named function, its faults told in the error (a union's
+    error would only say that it is not one of the strings)."""
+    if not isinstance(v, dict):
+        return v
+    try:
+        return NamedToolChoice.model_validate(v)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}: '
+                         f'{where}: {err["msg"]}') from None
+
+
 def check_tool_choice(choice: Any, tools: list[ToolDefinition] | None) -> Any:
     """tool_choice as given ("auto" by default when tools are given), or None where it means
-    "none"; a ValueError for a choice without tools or naming no tool."""
-    if choice is None:
+    "none" ("auto" without tools, too); a ValueError for a choice that needs tools and has none,
+    or names no tool."""
+    if choice is None or (choice == "auto" and not tools):
         choice = "auto" if tools else "none"
     if choice == "none":
         return None
@@ -125,32 +152,39 @@ class ToolCalling:
     parallel: bool = True
 
     def schema(self) -> dict:
-        """The JSON schema the output is held to."""
+        """The JSON schema the output is held to. For "required" each function's parameters sit
+        inside the list's schema, so their $defs move to its root (where "#/$defs/..." points)."""
         if self.named is not None:
             f = next(f for f in self.functions if f.name == self.named)
             return f.parameters or _NO_PARAMETERS
-        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f.name]},
-                                                   "parameters": f.parameters or _NO_PARAMETERS},
-                  "required": ["name", "parameters"]} for f in self.functions]
+        defs: dict[str, Any] = {}
+        calls = []
+        for f in self.functions:
+            params = dict(f.parameters or _NO_PARAMETERS)
+            for key, value in params.pop("$defs", {}).items():
+                if defs.setdefault(key, value) != value:
+                    raise StructuredOutputError(f"tools: two functions define $defs/{key} differently", "tools")
+            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [f.name]},
+                                                           "parameters": params},
+                          "required": ["name", "parameters"]})
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if defs:
+            schema["$defs"] = defs
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
 
     def calls(self, text: str) -> list[dict] | None:
-        """The OpenAI tool_calls an output's text makes, or None where it is not complete JSON
-        (an output cut by max_tokens)."""
+        """The OpenAI tool_calls an output's text makes. A named function's arguments are the text
+        as it came, complete or not (the finish_reason tells which, as in vLLM); "required" calls
+        are None unless the text is a complete list (an output cut by max_tokens is not)."""
         if self.named is not None:
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:
-                return None
             return [self._call(self.named, text)]
         try:
             items = json.loads(text)
-        except json.JSONDecodeError:
+            return [self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+        except (json.JSONDecodeError, KeyError, TypeError):
             return None
-        return [self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
 
     @staticmethod
     def _call(name: str, arguments: str) -> dict:

@@ -97,7 +97,7 @@ INVALID = [
     (CHAT, {"messages": MSGS, "top_logprobs": 0}, "top_logprobs"),
     (C, {"prompt": PROMPT, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    (CHAT, {"messages": MSGS, "echo": True}, "echo"),
+    (CHAT, {"messages": MSGS, "echo": "yes"}, "echo"),
     (C, {"prompt": PROMPT, "echo": "yes"}, "echo"), (C, {"prompt": [10**9], "echo": True}, None),
     (C, {"prompt": PROMPT, "n": 4}, "n"),  # more than this server's 2 running + 1 queued
     (C, {"prompt": PROMPT, "best_of": True}, "best_of"),

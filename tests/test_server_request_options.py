@@ -4,9 +4,11 @@ chat_template_kwargs (the default model, n-gram drafter)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
-from server_helpers import serve, shared_engine_or_skip
+from server_helpers import serve, shared_engine_or_skip, sse_data
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 COUNT = "Count: one two three four five, one two three four five, one two three"
@@ -68,6 +70,25 @@ def test_chat_template_options(server):
     closed = tok.apply_chat_template(msgs[:1], add_generation_prompt=False, tokenize=True)
     n = [len(x["input_ids"] if hasattr(x, "keys") else x) for x in (opened, closed)]
     assert (plain["usage"]["prompt_tokens"], bare["usage"]["prompt_tokens"]) == tuple(n) and n[0] > n[1]
+
+
+def test_chat_echo_starts_with_the_assistant_message(server):
+    """vLLM's chat echo: with continue_final_message the reply repeats the message it continues,
+    whole and streamed; after a user message there is nothing to echo."""
+    msgs = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A ripe"}]
+    body = {"messages": msgs, "max_tokens": 5, "add_generation_prompt": False, "continue_final_message": True}
+    plain = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    echoed = _post(server, "/v1/chat/completions", body | {"echo": True})["choices"][0]["message"]["content"]
+    assert echoed == "A ripe" + plain
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": server.state.names[0], "temperature": 0, **body, "echo": True, "stream": True},
+                   timeout=120)
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in sse_data(r.text.splitlines()) if e != "[DONE]"]
+    assert deltas[0] == {"role": "assistant", "content": "A ripe"}
+    assert "".join(d.get("content") or "" for d in deltas) == echoed
+    asked = _post(server, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 3, "echo": True})
+    assert asked["choices"][0]["message"]["content"] == _post(
+        server, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 3})["choices"][0]["message"]["content"]
 
 
 def test_truncation_counts_before_the_context_check(server):

@@ -27,7 +27,7 @@ class Choice:
     index: int
     stream: RequestStream
     first_of_prompt: bool = True  # the prompt's first choice: its prompt tokens count in usage
-    echo: str = ""  # completions with echo: the prompt's text, sent before the completion's
+    echo: str = ""  # echo: the prompt's text (chat: the last, assistant message), sent before the output
     echo_logprobs: bool = False  # echo with logprobs: the prompt's tokens lead the first logprobs sent
     logprobs_sent: int = 0  # output tokens whose logprobs were sent
     text_offset: int = 0  # completion characters those tokens span (the next text_offset)
@@ -119,8 +119,8 @@ class ChoiceRenderer:
     def opening(self, c: Choice) -> dict | None:
         """A stream's first chunk for a choice: the chat role, or the echoed prompt (unless it waits
         for the prompt's logprobs, which come with the first output)."""
-        if self.chat:
-            return chat_body(self.rid, self.created, self.model, "", None, chunk=True, role=True, index=c.index)
+        if self.chat:  # with the echoed last message, if any
+            return chat_body(self.rid, self.created, self.model, c.echo, None, chunk=True, role=True, index=c.index)
         if c.echo and not c.echo_logprobs:
             return completion_body(self.rid, self.created, self.model, c.echo, None, chunk=True, index=c.index)
         return None

@@ -1,8 +1,8 @@
 """OpenAI request models (as vLLM accepts them) and the API error type.
 
 Requests are validated strictly: a wrong JSON type is an error, not coerced. Unknown fields
-are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (chat
-echo, beam search, functions, ...) are rejected when set to anything but their default.
+are ignored, like vLLM; known OpenAI and vLLM features this server does not implement (beam
+search, functions, ...) are rejected when set to anything but their default.
 """
 
 from __future__ import annotations
@@ -233,6 +233,7 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True  # vLLM's template options (see engine/prompts.py)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: the reply starts with the last message when that is the assistant's
     tools: list[ToolDefinition] | None = None
     # None: "auto" when tools are given, else "none" (OpenAI's defaults); checked even when absent
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, validate_default=True)

@@ -125,6 +125,9 @@ class _Generation:
             if isinstance(e, ValueError):
                 raise APIError(400, str(e), param=param) from None
             raise
+        if self.chat and req.echo and req.messages[-1].role == "assistant":  # vLLM's chat echo
+            for c in self.choices:
+                c.echo = req.messages[-1].as_dict()["content"]
         if echo:  # each prompt as text (token ids decoded once the engine took them), as truncated
             tok = st.engine.tokenizer
             for c in self.choices:

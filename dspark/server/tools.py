@@ -180,10 +180,11 @@ class ToolCalling:
         are None unless the text is a complete list (an output cut by max_tokens is not)."""
         if self.named is not None:
             return [self._call(self.named, text)]
-        try:
+        try:  # a number past float range would come back as Infinity, which is not JSON: refused
             items = json.loads(text)
-            return [self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            return [self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, allow_nan=False))
+                    for c in items]
+        except (ValueError, KeyError, TypeError):  # ValueError covers json.JSONDecodeError
             return None
 
     @staticmethod

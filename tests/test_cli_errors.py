@@ -76,6 +76,7 @@ def test_a_model_that_fails_to_load_records_nothing(prompts, tmp_path, capsys):
     (["generate", "--prompt", "hi", "--drafter", "/nonexistent/drafter"], "is not a folder"),
     (["serve", "--model", "/nonexistent/model"], "does not exist"),
     (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["serve", "--enable-auto-tool-choice", "--tool-call-parser", "xml"], "hermes, llama3_json"),
 ])
 def test_checked_before_loading(argv, words, prompts, capsys):
     if argv[0] == "eval-drafter":

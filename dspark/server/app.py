@@ -29,7 +29,7 @@ from dspark.scheduler.scheduler import AsyncEngine
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import APIError, error_body
 from dspark.server.serving import add_generation_routes
-from dspark.server.tool_parsers import PARSERS
+from dspark.server.tool_parsers import HermesParser, Llama3JsonParser, make_parser
 
 logger = logging.getLogger("dspark.server")
 
@@ -62,7 +62,7 @@ class ServerState:
 
     def __init__(self, served_model_name: str | list[str] | None, api_key: str | None, max_queue: int,
                  shutdown_timeout: float, log_interval: float, metrics_window_s: float,
-                 tool_call_parser: str | None = None):
+                 tool_parser: HermesParser | Llama3JsonParser | None = None):
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
         self.names = names
         self.api_key = api_key or None
@@ -70,7 +70,7 @@ class ServerState:
         self.shutdown_timeout = shutdown_timeout
         self.log_interval = log_interval
         self.metrics_window_s = metrics_window_s
-        self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
+        self.tool_parser = tool_parser  # None: tool_choice "auto" is refused
         self.engine: Engine | None = None
         self.scheduler: AsyncEngine | None = None
         self.metrics: ServerMetrics | None = None
@@ -147,10 +147,9 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
     requests get to finish at shutdown before they are aborted. tool_call_parser: the format
     tool_choice "auto" reads tool calls in (vLLM's --tool-call-parser; None: "auto" is refused).
     """
-    if tool_call_parser is not None and tool_call_parser not in PARSERS:
-        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}: choose one of {', '.join(PARSERS)}")
+    parser = make_parser(tool_call_parser) if tool_call_parser is not None else None
     state = ServerState(served_model_name, api_key, max_queue, shutdown_timeout, log_interval, metrics_window_s,
-                        tool_call_parser)
+                        parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -16,7 +16,7 @@ from dspark.server.responses import (
     usage,
     vllm_prompt_logprobs,
 )
-from dspark.server.tool_parsers import ToolCallStream, split_tool_calls
+from dspark.server.tool_parsers import HermesParser, HermesStream, Llama3JsonParser, Llama3JsonStream
 from dspark.server.tools import ToolCalling, new_call_id
 
 
@@ -34,7 +34,7 @@ class Choice:
     final: RequestOutput | None = None
     tool_call_id: str | None = None  # a streamed named tool call: its id, once its first delta went out
     tool_text: str = ""  # a streamed "required" tool choice: the output so far (parsed when it ends)
-    tool_stream: ToolCallStream | None = None  # a streamed "auto" tool choice: the parser's state
+    tool_stream: HermesStream | Llama3JsonStream | None = None  # a streamed "auto" tool choice: the parser's state
     tool_calls_sent: int = 0
 
 
@@ -52,7 +52,7 @@ class ChoiceRenderer:
     num_logprobs: int | None = None  # per output token (completions: also per echoed prompt token)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, when asked
     tools: ToolCalling | None = None  # the output is tool calls (tool_choice "required" or named)
-    auto_tools: bool = False  # tool_choice "auto": a parser finds the calls the model wrote
+    tool_parser: HermesParser | Llama3JsonParser | None = None  # tool_choice "auto": finds the calls written
 
     def __post_init__(self) -> None:
         self._text: dict[int, str] = {}  # token id -> its text (alternatives repeat)
@@ -102,8 +102,8 @@ class ChoiceRenderer:
                 calls = self.tools.calls(out.text)
                 if calls is not None:
                     text, finish = None, self._tool_finish(out)
-            elif self.auto_tools:
-                content, calls = split_tool_calls(out.text)
+            elif self.tool_parser is not None:
+                content, calls = self.tool_parser.split(out.text)
                 if calls is not None:
                     text, finish = content, "tool_calls"
             extra = {"tool_calls": calls} if calls else {}
@@ -135,7 +135,7 @@ class ChoiceRenderer:
         text = c.echo + out.new_text if c.echo_logprobs else out.new_text
         if self.tools is not None:
             return self._tool_chunk(out, c, finish, spec, stop)
-        if self.auto_tools:
+        if self.tool_parser is not None:
             return self._auto_tool_chunk(out, c, finish, spec, stop)
         build = chat_body if self.chat else completion_body
         return build(self.rid, self.created, self.model, text, finish, speculation=spec, chunk=True,
@@ -175,7 +175,7 @@ class ChoiceRenderer:
                          stop: int | str | None) -> dict | None:
         """Text as content until the model opens a tool call, then each call whole once written."""
         if c.tool_stream is None:
-            c.tool_stream = ToolCallStream()
+            c.tool_stream = self.tool_parser.stream()
         content, calls = c.tool_stream.feed(out.new_text, out.finished)
         indexed = [{"index": c.tool_calls_sent + i} | call for i, call in enumerate(calls)]
         c.tool_calls_sent += len(calls)

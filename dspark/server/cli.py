@@ -23,6 +23,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
+    if args.tool_call_parser is not None:
+        from dspark.server.tool_parsers import make_parser
+
+        make_parser(args.tool_call_parser)  # an unknown name fails before the model loads
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
     app = create_app(config, served_model_name=args.served_model_name, api_key=api_key,
@@ -62,7 +66,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
                    help="browser origins allowed by CORS (default: any; none: CORS off)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto": the model writes tool calls in its own format')
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
-                   help="that format (hermes: <tool_call>{...}</tool_call>, as Qwen2.5/Qwen3 write)")
+    p.add_argument("--tool-call-parser", default=None, metavar="{hermes,llama3_json}",
+                   help="that format (hermes: <tool_call>{...}</tool_call>, as Qwen2.5/Qwen3 write; "
+                        "llama3_json: bare {\"name\", \"parameters\"} objects, as Llama 3.1-3.3 write)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -75,7 +75,7 @@ class _Generation:
         self.spec = req.speculation or SpeculationOptions()
         self._check_block_size()
         auto_tools = self.chat and req.tool_choice == "auto"
-        if auto_tools and st.tool_call_parser is None:
+        if auto_tools and st.tool_parser is None:
             raise APIError(400, f"tool_choice: {AUTO_NEEDS_PARSER}", param="tool_choice")
         if req.stream and req.prompt_logprobs is not None:  # as vLLM
             raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
@@ -88,7 +88,8 @@ class _Generation:
         echo = not self.chat and bool(req.echo)
         self.render = ChoiceRenderer(self.rid, int(time.time()), model, self.chat, st.engine.tokenizer,
                                      st.engine.spec.name, self.spec.enabled, req.num_logprobs(), req.prompt_logprobs,
-                                     req.tool_calling() if self.chat else None, auto_tools)
+                                     req.tool_calling() if self.chat else None,
+                                     st.tool_parser if auto_tools else None)
         try:
             params = req.sampling_params(max_tokens)
             if auto_tools:  # a model's tool-call markers may be special tokens: keep them in the text

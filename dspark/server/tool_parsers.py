@@ -1,58 +1,75 @@
 """Tool calls a model writes in its own format, for tool_choice "auto" (vLLM's
---enable-auto-tool-choice --tool-call-parser). Hermes style, as Qwen2.5, Qwen3 and Hermes 2 Pro
-write them: <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks after optional text."""
+--enable-auto-tool-choice --tool-call-parser NAME). Each parser reads a whole output (`split`)
+and streams one (`stream()`, fed the output's text as it comes):
+
+- hermes (Qwen2.5, Qwen3, Hermes 2 Pro): <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+  blocks after optional text;
+- llama3_json (Llama 3.1-3.3): the whole output is {"name": ..., "parameters": {...}} objects,
+  separated by ";", optionally after <|python_tag|>.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from dspark.server.tools import new_call_id
 
-START, END = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END) + "|" + re.escape(START) + r"(.*)\Z", re.DOTALL)
-PARSERS = ("hermes",)
 
-
-def _call(body: str) -> dict | None:
-    """An OpenAI tool call from one block's JSON, or None when it is not {"name", "arguments"}."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+def _call(obj: Any, args_key: str) -> dict | None:
+    """An OpenAI tool call from a parsed {"name", args_key} object, or None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", {})
-    return {"id": new_call_id(), "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+    try:
+        args = json.dumps(obj.get(args_key, {}), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
+    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": args}}
 
 
-def split_tool_calls(text: str) -> tuple[str | None, list[dict] | None]:
-    """A whole output as (content, tool calls): the text before the first block (None when blank)
-    and one call per block (a last block may be left open by max_tokens); (text, None) when it
-    calls nothing or a block is not a valid call, as vLLM's parser answers."""
-    start = text.find(START)
-    if start < 0:
-        return text, None
-    calls = []
-    for m in _BLOCK.finditer(text, start):
-        call = _call(m.group(1) if m.group(1) is not None else m.group(2))
-        if call is None:
-            return text, None
-        calls.append(call)
-    content = text[:start]
-    return (content if content.strip() else None), calls
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
-def _held_back(text: str) -> int:
-    """Characters at the end of text that could begin START (wait for more before sending them)."""
-    for n in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-n:]):
+def _held_back(text: str, marker: str) -> int:
+    """Characters at the end of text that could begin marker (wait for more before sending them)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
             return n
     return 0
 
 
-class ToolCallStream:
+class HermesParser:
+    """<tool_call> blocks: the text before the first is the content, each block one call."""
+
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END) + "|" + re.escape(START) + r"(.*)\Z", re.DOTALL)
+
+    def split(self, text: str) -> tuple[str | None, list[dict] | None]:
+        """A whole output as (content, tool calls): the text before the first block (None when
+        blank) and one call per block (a last block may be left open by max_tokens); (text, None)
+        when it calls nothing or a block is not a valid call, as vLLM's parser answers."""
+        start = text.find(self.START)
+        if start < 0:
+            return text, None
+        calls = []
+        for m in self._BLOCK.finditer(text, start):
+            call = _call(_loads(m.group(1) if m.group(1) is not None else m.group(2)), "arguments")
+            if call is None:
+                return text, None
+            calls.append(call)
+        content = text[:start]
+        return (content if content.strip() else None), calls
+
+    def stream(self) -> HermesStream:
+        return HermesStream()
+
+
+class HermesStream:
     """One streamed output: its text goes out as content until a block opens, then each call goes
     out whole when its block closes (or the output ends); text after the first call is dropped,
     as in the whole response. A block that is not a valid call goes out as content."""
@@ -64,28 +81,94 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(content to send, calls to send) after the output's next text."""
+        start, end = HermesParser.START, HermesParser.END
         self.buf += text
         content, calls = "", []
         while True:
             if not self.in_block:
-                i = self.buf.find(START)
+                i = self.buf.find(start)
                 if i < 0:
-                    cut = len(self.buf) - (0 if final else _held_back(self.buf))
+                    cut = len(self.buf) - (0 if final else _held_back(self.buf, start))
                     plain, self.buf = self.buf[:cut], self.buf[cut:]
                     content += "" if self.called else plain
                     return content, calls
                 content += "" if self.called else self.buf[:i]
-                self.buf, self.in_block = self.buf[i + len(START):], True
-            j = self.buf.find(END)
+                self.buf, self.in_block = self.buf[i + len(start):], True
+            j = self.buf.find(end)
             if j < 0 and not final:
                 return content, calls
             body = self.buf if j < 0 else self.buf[:j]
-            self.buf, self.in_block = ("" if j < 0 else self.buf[j + len(END):]), False
-            call = _call(body)
+            self.buf, self.in_block = ("" if j < 0 else self.buf[j + len(end):]), False
+            call = _call(_loads(body), "arguments")
             if call is None:
-                content += START + body + ("" if j < 0 else END)
+                content += start + body + ("" if j < 0 else end)
             else:
                 calls.append(call)
                 self.called = True
             if j < 0:
                 return content, calls
+
+
+class Llama3JsonParser:
+    """Llama 3's JSON tool calls: an output that is nothing but {"name", "parameters"} objects."""
+
+    TAG = "<|python_tag|>"
+
+    def split(self, text: str) -> tuple[str | None, list[dict] | None]:
+        """(None, calls) when the whole output is calls, else (text, None)."""
+        body = text.strip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):].lstrip()
+        if not body.startswith("{"):
+            return text, None
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                obj, at = decoder.raw_decode(body, at)
+            except ValueError:
+                return text, None
+            call = _call(obj, "parameters" if "parameters" in obj else "arguments") if isinstance(obj, dict) else None
+            if call is None:
+                return text, None
+            calls.append(call)
+            while at < len(body) and body[at] in " \t\r\n;":
+                at += 1
+        return None, calls
+
+    def stream(self) -> Llama3JsonStream:
+        return Llama3JsonStream(self)
+
+
+class Llama3JsonStream:
+    """One streamed output: once its first characters show a call (a "{" or the python tag), the
+    output is held and read whole when it ends; any other output streams as content."""
+
+    def __init__(self, parser: Llama3JsonParser) -> None:
+        self.parser, self.buf, self.mode = parser, "", None  # mode: None (undecided), "text", "calls"
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        if self.mode == "text":
+            return text, []
+        self.buf += text
+        head = self.buf.lstrip()
+        if self.mode is None and head:
+            if head.startswith("{") or head.startswith(self.parser.TAG):
+                self.mode = "calls"
+            elif not self.parser.TAG.startswith(head):
+                self.mode = "text"
+                out, self.buf = self.buf, ""
+                return out, []
+        if not final:
+            return "", []
+        content, calls = self.parser.split(self.buf)
+        return content or "", calls or []
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def make_parser(name: str) -> HermesParser | Llama3JsonParser:
+    """The tool-call parser called name (a ValueError naming the choices for another)."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}: choose one of {', '.join(PARSERS)}")
+    return PARSERS[name]()

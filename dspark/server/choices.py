@@ -16,8 +16,8 @@ from dspark.server.responses import (
     usage,
     vllm_prompt_logprobs,
 )
-from dspark.server.tool_parsers import HermesParser, HermesStream, Llama3JsonParser, Llama3JsonStream
-from dspark.server.tools import ToolCalling, new_call_id
+from dspark.server.tool_parsers import HermesParser, Llama3JsonParser
+from dspark.server.tools import ToolCalling
 
 
 @dataclass
@@ -32,10 +32,8 @@ class Choice:
     logprobs_sent: int = 0  # output tokens whose logprobs were sent
     text_offset: int = 0  # completion characters those tokens span (the next text_offset)
     final: RequestOutput | None = None
-    tool_call_id: str | None = None  # a streamed named tool call: its id, once its first delta went out
-    tool_text: str = ""  # a streamed "required" tool choice: the output so far (parsed when it ends)
-    tool_stream: HermesStream | Llama3JsonStream | None = None  # a streamed "auto" tool choice: the parser's state
-    tool_calls_sent: int = 0
+    tool_stream: object | None = None  # a streamed output read as tool calls: its reader's stream
+    tool_called: bool = False  # that stream has sent a call
 
 
 @dataclass
@@ -51,8 +49,9 @@ class ChoiceRenderer:
     spec_enabled: bool
     num_logprobs: int | None = None  # per output token (completions: also per echoed prompt token)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field, when asked
-    tools: ToolCalling | None = None  # the output is tool calls (tool_choice "required" or named)
-    tool_parser: HermesParser | Llama3JsonParser | None = None  # tool_choice "auto": finds the calls written
+    # reads the output as tool calls: tool_choice "required" or named (a constrained output), or
+    # "auto" (a parser of the model's own format)
+    tools: ToolCalling | HermesParser | Llama3JsonParser | None = None
 
     def __post_init__(self) -> None:
         self._text: dict[int, str] = {}  # token id -> its text (alternatives repeat)
@@ -99,13 +98,9 @@ class ChoiceRenderer:
         for c, out in zip(choices, outs):
             text, finish, calls = c.echo + out.text, out.finish_reason, None
             if self.tools is not None:
-                calls = self.tools.calls(out.text)
+                content, calls = self.tools.split(out.text)
                 if calls is not None:
-                    text, finish = None, self._tool_finish(out)
-            elif self.tool_parser is not None:
-                content, calls = self.tool_parser.split(out.text)
-                if calls is not None:
-                    text, finish = content, "tool_calls"
+                    text, finish = content, self._tool_finish(out)
             extra = {"tool_calls": calls} if calls else {}
             choice = build(self.rid, self.created, self.model, text, finish, stop_reason=out.stop_reason,
                            logprobs=self.logprobs(out, c), index=c.index, **extra)["choices"][0]
@@ -135,53 +130,25 @@ class ChoiceRenderer:
         text = c.echo + out.new_text if c.echo_logprobs else out.new_text
         if self.tools is not None:
             return self._tool_chunk(out, c, finish, spec, stop)
-        if self.tool_parser is not None:
-            return self._auto_tool_chunk(out, c, finish, spec, stop)
         build = chat_body if self.chat else completion_body
         return build(self.rid, self.created, self.model, text, finish, speculation=spec, chunk=True,
                      stop_reason=stop, logprobs=self.logprobs(out, c), index=c.index)
 
     def _tool_finish(self, out: RequestOutput) -> str | None:
-        """finish_reason of an output read as tool calls: "tool_calls" for tool_choice "required",
-        and, as OpenAI answers a named function, the output's own for a named one."""
-        return "tool_calls" if self.tools.named is None else out.finish_reason
+        """finish_reason of an output read as tool calls: the output's own for a named function
+        (as OpenAI answers it), else "tool_calls"."""
+        return out.finish_reason if self.tools.keeps_finish_reason else "tool_calls"
 
     def _tool_chunk(self, out: RequestOutput, c: Choice, finish: str | None, spec: dict | None,
                     stop: int | str | None) -> dict | None:
-        """A named function's arguments stream as they come (the first delta with the call's id and
-        name); "required" calls go out whole when the output ends, as text if it is not complete JSON."""
-        calls, text = None, None
-        if self.tools.named is not None:
-            if out.new_text:
-                call: dict = {"index": 0, "function": {"arguments": out.new_text}}
-                if c.tool_call_id is None:
-                    c.tool_call_id = new_call_id()
-                    call = {"index": 0, "id": c.tool_call_id, "type": "function",
-                            "function": {"name": self.tools.named, "arguments": out.new_text}}
-                calls = [call]
-        else:
-            c.tool_text += out.new_text
-            if not out.finished:
-                return None
-            parsed = self.tools.calls(c.tool_text)
-            if parsed is None:
-                text = c.tool_text
-            else:
-                calls, finish = [{"index": i} | call for i, call in enumerate(parsed)], self._tool_finish(out)
-        return chat_body(self.rid, self.created, self.model, text, finish, speculation=spec, chunk=True,
-                         stop_reason=stop, logprobs=self.logprobs(out, c), index=c.index, tool_calls=calls)
-
-    def _auto_tool_chunk(self, out: RequestOutput, c: Choice, finish: str | None, spec: dict | None,
-                         stop: int | str | None) -> dict | None:
-        """Text as content until the model opens a tool call, then each call whole once written."""
+        """The content and call deltas the reader's stream lets out so far (it may hold text back)."""
         if c.tool_stream is None:
-            c.tool_stream = self.tool_parser.stream()
+            c.tool_stream = self.tools.stream()
         content, calls = c.tool_stream.feed(out.new_text, out.finished)
-        indexed = [{"index": c.tool_calls_sent + i} | call for i, call in enumerate(calls)]
-        c.tool_calls_sent += len(calls)
-        if not (content or indexed or out.finished):
-            return None  # held back: it may be the start of a tool call
-        if out.finished and c.tool_calls_sent:
-            finish = "tool_calls"
+        c.tool_called = c.tool_called or bool(calls)
+        if not (content or calls or out.finished):
+            return None
+        if out.finished and c.tool_called:
+            finish = self._tool_finish(out)
         return chat_body(self.rid, self.created, self.model, content, finish, speculation=spec, chunk=True,
-                         stop_reason=stop, logprobs=self.logprobs(out, c), index=c.index, tool_calls=indexed or None)
+                         stop_reason=stop, logprobs=self.logprobs(out, c), index=c.index, tool_calls=calls or None)

@@ -88,8 +88,8 @@ class _Generation:
         echo = not self.chat and bool(req.echo)
         self.render = ChoiceRenderer(self.rid, int(time.time()), model, self.chat, st.engine.tokenizer,
                                      st.engine.spec.name, self.spec.enabled, req.num_logprobs(), req.prompt_logprobs,
-                                     req.tool_calling() if self.chat else None,
-                                     st.tool_parser if auto_tools else None)
+                                     (req.tool_calling() or (st.tool_parser if auto_tools else None))
+                                     if self.chat else None)
         try:
             params = req.sampling_params(max_tokens)
             if auto_tools:  # a model's tool-call markers may be special tokens: keep them in the text

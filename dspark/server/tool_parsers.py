@@ -1,6 +1,7 @@
 """Tool calls a model writes in its own format, for tool_choice "auto" (vLLM's
 --enable-auto-tool-choice --tool-call-parser NAME). Each parser reads a whole output (`split`)
-and streams one (`stream()`, fed the output's text as it comes):
+and streams one (`stream()`, fed the output's text as it comes, giving content and call deltas),
+as tools.ToolCalling does for tool_choice "required" and named functions:
 
 - hermes (Qwen2.5, Qwen3, Hermes 2 Pro): <tool_call>{"name": ..., "arguments": {...}}</tool_call>
   blocks after optional text;
@@ -14,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from dspark.server.tools import new_call_id
+from dspark.server.tools import BufferedCalls, indexed, tool_call
 
 
 def _call(obj: Any, args_key: str) -> dict | None:
@@ -22,10 +23,9 @@ def _call(obj: Any, args_key: str) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     try:
-        args = json.dumps(obj.get(args_key, {}), ensure_ascii=False, allow_nan=False)
+        return tool_call(obj["name"], json.dumps(obj.get(args_key, {}), ensure_ascii=False, allow_nan=False))
     except ValueError:
         return None
-    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": args}}
 
 
 def _loads(text: str) -> Any:
@@ -46,6 +46,7 @@ def _held_back(text: str, marker: str) -> int:
 class HermesParser:
     """<tool_call> blocks: the text before the first is the content, each block one call."""
 
+    keeps_finish_reason = False  # an output with calls ends with "tool_calls"
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END) + "|" + re.escape(START) + r"(.*)\Z", re.DOTALL)
 
@@ -77,10 +78,16 @@ class HermesStream:
     def __init__(self) -> None:
         self.buf = ""
         self.in_block = False
-        self.called = False
+        self.sent = 0  # calls sent so far
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        """(content to send, calls to send) after the output's next text."""
+        """(content to send, call deltas to send) after the output's next text."""
+        content, calls = self._read(text, final)
+        deltas = indexed(calls, self.sent)
+        self.sent += len(calls)
+        return content, deltas
+
+    def _read(self, text: str, final: bool) -> tuple[str, list[dict]]:
         start, end = HermesParser.START, HermesParser.END
         self.buf += text
         content, calls = "", []
@@ -90,9 +97,9 @@ class HermesStream:
                 if i < 0:
                     cut = len(self.buf) - (0 if final else _held_back(self.buf, start))
                     plain, self.buf = self.buf[:cut], self.buf[cut:]
-                    content += "" if self.called else plain
+                    content += "" if self.sent or calls else plain
                     return content, calls
-                content += "" if self.called else self.buf[:i]
+                content += "" if self.sent or calls else self.buf[:i]
                 self.buf, self.in_block = self.buf[i + len(start):], True
             j = self.buf.find(end)
             if j < 0 and not final:
@@ -104,7 +111,6 @@ class HermesStream:
                 content += start + body + ("" if j < 0 else end)
             else:
                 calls.append(call)
-                self.called = True
             if j < 0:
                 return content, calls
 
@@ -112,6 +118,7 @@ class HermesStream:
 class Llama3JsonParser:
     """Llama 3's JSON tool calls: an output that is nothing but {"name", "parameters"} objects."""
 
+    keeps_finish_reason = False
     TAG = "<|python_tag|>"
 
     def split(self, text: str) -> tuple[str | None, list[dict] | None]:
@@ -144,24 +151,18 @@ class Llama3JsonStream:
     output is held and read whole when it ends; any other output streams as content."""
 
     def __init__(self, parser: Llama3JsonParser) -> None:
-        self.parser, self.buf, self.mode = parser, "", None  # mode: None (undecided), "text", "calls"
+        self.parser, self.held = parser, BufferedCalls(parser)
+        self.text = False  # decided: the output is plain text
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        if self.mode == "text":
+        if self.text:
             return text, []
-        self.buf += text
-        head = self.buf.lstrip()
-        if self.mode is None and head:
-            if head.startswith("{") or head.startswith(self.parser.TAG):
-                self.mode = "calls"
-            elif not self.parser.TAG.startswith(head):
-                self.mode = "text"
-                out, self.buf = self.buf, ""
-                return out, []
-        if not final:
-            return "", []
-        content, calls = self.parser.split(self.buf)
-        return content or "", calls or []
+        head = (self.held.buf + text).lstrip()
+        if head and not (head.startswith("{") or self.parser.TAG.startswith(head[:len(self.parser.TAG)])):
+            self.text = True
+            out, self.held.buf = self.held.buf + text, ""
+            return out, []
+        return self.held.feed(text, final)
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

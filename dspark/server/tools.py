@@ -141,6 +141,48 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+def tool_call(name: str, arguments: str) -> dict:
+    """One OpenAI tool call (a fresh id), its arguments as JSON text."""
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def indexed(calls: list[dict], first: int = 0) -> list[dict]:
+    """Calls as stream deltas: each with its index among the choice's calls."""
+    return [{"index": first + i} | call for i, call in enumerate(calls)]
+
+
+class BufferedCalls:
+    """Streams an output that is read only whole: nothing until it ends, then its calls (or its
+    text, when it makes none)."""
+
+    def __init__(self, reader) -> None:  # noqa: ANN001 - anything with split(text)
+        self.reader, self.buf = reader, ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """(content to send, call deltas to send) after the output's next text."""
+        self.buf += text
+        if not final:
+            return "", []
+        content, calls = self.reader.split(self.buf)
+        return content or "", indexed(calls or [])
+
+
+class NamedCallArguments:
+    """Streams a named function's arguments as they come: the first delta with the call's id and
+    name, the later ones with more of its arguments."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.started = name, False
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        if not text:
+            return "", []
+        if self.started:
+            return "", [{"index": 0, "function": {"arguments": text}}]
+        self.started = True
+        return "", indexed([tool_call(self.name, text)])
+
+
 @dataclass(frozen=True)
 class ToolCalling:
     """How a request's output becomes tool calls: the arguments of one named function, or
@@ -150,6 +192,12 @@ class ToolCalling:
     functions: tuple[FunctionDefinition, ...]
     named: str | None = None
     parallel: bool = True
+
+    @property
+    def keeps_finish_reason(self) -> bool:
+        """A named function's output ends with the engine's finish_reason, as OpenAI answers it;
+        every other read of tool calls ends with "tool_calls"."""
+        return self.named is not None
 
     def schema(self) -> dict:
         """The JSON schema the output is held to. For "required" each function's parameters sit
@@ -174,19 +222,20 @@ class ToolCalling:
             schema["maxItems"] = 1
         return schema
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The OpenAI tool_calls an output's text makes. A named function's arguments are the text
-        as it came, complete or not (the finish_reason tells which, as in vLLM); "required" calls
-        are None unless the text is a complete list (an output cut by max_tokens is not)."""
+    def split(self, text: str) -> tuple[str | None, list[dict] | None]:
+        """A whole output as (content, tool calls). A named function's arguments are the text as
+        it came, complete or not (the finish_reason tells which, as in vLLM); "required" calls
+        are (text, None) unless the text is a complete list (an output cut by max_tokens is not)."""
         if self.named is not None:
-            return [self._call(self.named, text)]
+            return None, [tool_call(self.named, text)]
         try:  # a number past float range would come back as Infinity, which is not JSON: refused
             items = json.loads(text)
-            return [self._call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, allow_nan=False))
-                    for c in items]
+            return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, allow_nan=False))
+                          for c in items]
         except (ValueError, KeyError, TypeError):  # ValueError covers json.JSONDecodeError
-            return None
+            return text, None
 
-    @staticmethod
-    def _call(name: str, arguments: str) -> dict:
-        return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    def stream(self) -> NamedCallArguments | BufferedCalls:
+        """A streamed output's reader: a named function's arguments as they come, "required"
+        calls whole at the end."""
+        return NamedCallArguments(self.named) if self.named is not None else BufferedCalls(self)

@@ -87,15 +87,23 @@ def _penalize(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> torch.T
 
 
 def _bias(w: Work, rows: torch.Tensor) -> None:
-    """Add the request's logit bias and mask what allowed_token_ids leaves out (in place)."""
-    p, dev = w.seq.params, rows.device
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
-        rows[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=rows.dtype, device=dev)
-    if p.allowed_token_ids is not None:
-        banned = torch.ones(rows.shape[-1], dtype=torch.bool, device=dev)
-        banned[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = False
-        rows[:, banned] = float("-inf")
+    """Add the request's logit bias and mask what allowed_token_ids leaves out (in place), as one
+    row built on the request's first step: every step would otherwise rebuild it."""
+    p, seq = w.seq.params, w.seq
+    if not p.logit_bias and p.allowed_token_ids is None:
+        return
+    if seq.logit_offset is None:
+        dev = rows.device
+        offset = torch.zeros(rows.shape[-1], dtype=rows.dtype, device=dev)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+            offset[ids] = torch.tensor(list(p.logit_bias.values()), dtype=rows.dtype, device=dev)
+        if p.allowed_token_ids is not None:
+            banned = torch.ones(rows.shape[-1], dtype=torch.bool, device=dev)
+            banned[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = False
+            offset[banned] = float("-inf")
+        seq.logit_offset = offset
+    rows += seq.logit_offset
 
 
 def _ban_bad_words(w: Work, rows: torch.Tensor, prefixes: list[list[int]]) -> None:

@@ -105,6 +105,7 @@ class Sequence:
     plain_step: bool = False  # this step decodes without drafts: free pages could not hold its drafts
     grammar: object | None = None  # structured outputs: an xgrammar matcher at the committed output
     bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words as token sequences
+    logit_offset: object | None = None  # logit_bias and allowed_token_ids as one row added to the logits
 
     @property
     def all_ids(self) -> list[int]:

@@ -25,12 +25,21 @@ class StructuredOutputs:
     field: str = "structured_outputs"
 
     def validate(self) -> None:
+        """A ValueError naming `field` (its `param`, which the server's 400 names too)."""
         given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
                  self.grammar is not None]
         if sum(given) != 1:
-            raise ValueError(f"{self.field}: give exactly one of json, json_object, regex, choice or grammar")
+            raise field_error(f"{self.field}: give exactly one of json, json_object, regex, choice or grammar",
+                              self.field)
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"{self.field}: choice must be a non-empty list of non-empty strings")
+            raise field_error(f"{self.field}: choice must be a non-empty list of non-empty strings", self.field)
+
+
+def field_error(message: str, param: str) -> ValueError:
+    """A ValueError that names the request field at fault (`param`: the server's 400 names it)."""
+    err = ValueError(message)
+    err.param = param
+    return err
 
 
 @dataclass
@@ -131,9 +140,8 @@ class SamplingParams:
             if self.ignore_eos or self.min_tokens or self.allowed_token_ids is not None:
                 # the grammar ends at the EOS token, and decides itself which tokens may come
                 field = self.structured_outputs.field
-                err = ValueError(f"{field} cannot be combined with ignore_eos, min_tokens or allowed_token_ids")
-                err.param = field  # the server's 400 names it
-                raise err
+                raise field_error(f"{field} cannot be combined with ignore_eos, min_tokens or allowed_token_ids",
+                                  field)
 
     def _validate_logit_mask(self) -> None:
         if self.logit_bias is not None:

@@ -48,7 +48,8 @@ def _tuple(x: list[str] | None) -> tuple[str, ...] | None:
 
 def requested_constraint(req: Any) -> StructuredOutputs | None:
     """The output constraint a request asks for, from whichever field gives one; two fields that
-    both do are an error naming the second (a StructuredOutputError, so a 400 with its param)."""
+    both do are an error naming the second (a StructuredOutputError, so a 400 with its param).
+    The constraint itself is checked by SamplingParams, whose errors name its field too."""
     found = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
@@ -75,9 +76,4 @@ def requested_constraint(req: Any) -> StructuredOutputs | None:
     if len(found) > 1:
         raise StructuredOutputError(f"{found[1].field}: one output constraint per request "
                                     f"({found[0].field} gives one already)", found[1].field)
-    if found:
-        try:
-            found[0].validate()
-        except ValueError as e:
-            raise StructuredOutputError(str(e), found[0].field) from None
-    return found[0] if found else None
+    return found[0] if found else None  # validated with the SamplingParams that carry it

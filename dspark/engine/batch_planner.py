@@ -95,8 +95,7 @@ class BatchPlanner:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-                self.pool.prefix_queries += seq.prefill_target
-                self.pool.prefix_hits += seq.num_cached
+                self.pool.count_admission(seq.prefill_target, seq.num_cached)
             self.pool.reserve(seq.seq_id, seq.num_cached + n)
             prefill.append((seq, n))
             budget -= n

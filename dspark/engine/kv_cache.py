@@ -105,6 +105,12 @@ class PagePool:
         table.num_tokens = len(table.pages) * ps
         return table.num_tokens
 
+    def count_admission(self, queried: int, found: int) -> None:
+        """An admitted request looked up `queried` prompt tokens and found `found` cached (only
+        admitted ones count: one that waits again for room gives its matched pages back)."""
+        self.prefix_queries += queried
+        self.prefix_hits += found
+
     def register(self, seq_id: int, tokens: Callable[[int, int], list[int]], num_cached: int) -> None:
         """Make the full pages among a sequence's first num_cached tokens (computed, committed)
         available to later requests with the same prefix. tokens(start, end): the sequence's

@@ -705,3 +705,23 @@ def test_average_from_exports_the_mean_of_the_late_weights_and_resumes(target, t
     resumed.train_step()
     fc = resumed.names.index("fc.weight")
     assert torch.allclose(resumed.average[fc], want, atol=1e-5)
+
+
+def test_lr_by_time_anneals_by_the_deadline(target, tmp_path, monkeypatch):
+    """With lr_by_time the cosine's progress is the larger of the steps' and the clock's share of
+    the budget: halfway through the budget at step 3 of 1,000 the lr is already halfway down."""
+    import dspark.train.trainer as trainer_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(trainer_mod.time, "time", lambda: now[0])
+    data = _toy_data(tmp_path)
+    tr = _trainer(target, data, tmp_path / "run", steps=1000, deadline=1100.0, lr_by_time=True, min_lr_ratio=0.2)
+    plain = _trainer(target, data, tmp_path / "plain", steps=1000, deadline=1100.0, min_lr_ratio=0.2)
+    tr.fit_start = plain.fit_start = 1000.0
+    now[0] = 1050.0
+    half = 3e-3 * (0.2 + 0.8 * 0.5)
+    assert tr.lr_at(3) == pytest.approx(half)
+    assert plain.lr_at(3) > 0.99 * 3e-3  # steps alone: barely started
+    now[0] = 1100.0
+    assert tr.lr_at(3) == pytest.approx(3e-3 * 0.2)
+    assert tr.lr_at(0) == pytest.approx(3e-3 / 2)  # warm-up stays step-based

@@ -80,6 +80,9 @@ def add_train_parsers(sub) -> None:
     o.add_argument("--log-every", type=int, default=10)
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--time-budget-minutes", type=float, default=None)
+    o.add_argument("--lr-by-time", action="store_true",
+                   help="with --time-budget-minutes: the cosine ends when the budget does if that comes before "
+                        "--steps (a run stopped by the clock still anneals)")
     o.add_argument("--export-dtype", default="bf16", choices=["fp32", "bf16"])
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--cache-features", action="store_true",
@@ -153,6 +156,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--sample-share must be in [0, 1], got {args.sample_share}")
     if args.time_budget_minutes is not None and args.time_budget_minutes <= 0:
         raise ValueError(f"--time-budget-minutes must be > 0, got {args.time_budget_minutes}")
+    if args.lr_by_time and args.time_budget_minutes is None:
+        raise ValueError("--lr-by-time needs --time-budget-minutes")
     if args.init_from and not (Path(args.init_from) / "config.json").is_file():
         # checked before data generation, which may take an hour
         print(f"error: --init-from {args.init_from}: no drafter config.json there", file=sys.stderr)
@@ -199,7 +204,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       length_groups=args.length_groups, average_from=args.average_from, deadline=deadline,
                       export_dtype=args.export_dtype, progress=not args.no_progress,
                       cache_features=args.cache_features, feature_cache_dir=args.feature_cache,
-                      compile_loss=args.compile_loss)
+                      compile_loss=args.compile_loss, lr_by_time=args.lr_by_time)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     tr = Trainer(target, drafter, data, cfg, out, pad_id=pad)
     if tr.cache is not None:

@@ -65,6 +65,9 @@ class TrainConfig:
     average_from: int | None = None
     time_budget_s: float | None = None  # stop cleanly (checkpoint + export) past this
     deadline: float | None = None  # absolute time.time() at which to stop (set by the CLI)
+    # the cosine also follows the clock: its progress is the larger of the steps' and the time's
+    # share of this invocation's budget, so a run stopped by its deadline still ends at min_lr
+    lr_by_time: bool = False
     export_dtype: str = "bf16"
     progress: bool = True
     cache_features: bool = False  # keep each sequence's target features (bf16) after first use
@@ -108,6 +111,7 @@ class Trainer:
         self.elapsed = 0.0
         self.history: list[dict] = []
         self.average: list[torch.Tensor] | None = None  # running mean of self.params (average_from)
+        self.fit_start: float | None = None  # time.time() when fit began (lr_by_time)
         self.average_n = 0
         self.order = BatchOrder([len(s) for s in data.seqs], cfg.batch_size, cfg.seed, cfg.length_groups)
         self.amp = DTYPES[cfg.dtype] == torch.bfloat16
@@ -127,6 +131,8 @@ class Trainer:
         if step < c.warmup:
             return c.lr * (step + 1) / c.warmup
         t = (step - c.warmup) / max(1, c.steps - c.warmup)
+        if c.lr_by_time and c.deadline is not None and self.fit_start is not None:
+            t = max(t, (time.time() - self.fit_start) / max(1e-9, c.deadline - self.fit_start))
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
     def micro_loss(self, micro: int) -> tuple[torch.Tensor, dict]:
@@ -242,6 +248,7 @@ class Trainer:
 
         c = self.cfg
         start = self.step
+        self.fit_start = time.time()
         bar = tqdm(total=c.steps, initial=start, desc="train", unit="step", disable=not c.progress,
                    dynamic_ncols=True)
         t_last = time.perf_counter()

@@ -4,10 +4,11 @@
 #     FlashInfer's kernels in the background by running the kernel tests (they need no model),
 #     so the compile overlaps the second call's transfer; waits up to SETUP_WAIT_S for them.
 #   STAGE=train (carry .carry/b): assemble the GGUF, the drafter and the committed data, train
-#     the drafter on CUDA from the shipped one (TRAIN_MINUTES, TRAIN_STEPS, TRAIN_BATCH, TRAIN_LR;
-#     TRAIN_INIT replaces `--init-from <shipped>`, e.g. "--num-layers 3 --intermediate-size 1024 --draft-vocab 12288" from scratch, 23 MB),
-#     evaluate it on the dev prompts, and write the export under $OUT (the weights in two
-#     pieces: at most 16 MiB a file comes back; `cat model.safetensors.part.* > model.safetensors`).
+#     drafters on CUDA side by side (TRAIN_RUNS "name|flags|lr;...", default one warm start from
+#     the shipped drafter; TRAIN_MINUTES, TRAIN_STEPS, TRAIN_BATCH), every GPU test meanwhile,
+#     evaluate each on the dev prompts, and write each export under $OUT (weights in two pieces,
+#     at most 16 MiB a file comes back: `cat NAME.safetensors.part.* > model.safetensors`; the
+#     rest in NAME.meta.tar.xz).
 #   STAGE=gen (carry .carry/b): assemble the GGUF, then let the target write one more sampled
 #     response to each train prompt for GEN_MINUTES (shards kept in /tmp/gen for STAGE=train,
 #     which trains on them too, and returned as gen_data.tar.xz to commit under drafters/data).
@@ -85,27 +86,57 @@ fi
 
 if [ "$STAGE" = train ]; then
   untar_xz /tmp/carry/data.tar.xz .
-  R=runs/gpu && mkdir -p $R/data
-  cp drafters/data/smollm2-135m/prompts-from-4096/* $R/data/
+  D=/tmp/train-data && mkdir -p $D
+  cp drafters/data/smollm2-135m/prompts-from-4096/* $D/
   # every other shard (committed sampled responses, then what STAGE=gen wrote) numbered 80, 81, ...
   n=80
   for f in drafters/data/smollm2-135m/sampled-seed*/shard_*.safetensors /tmp/gen/data/shard_*.safetensors; do
     [ -f "$f" ] || continue
-    cp "$f" "$R/data/$(printf 'shard_%05d.safetensors' $n)"; n=$((n + 1))
+    cp "$f" "$D/$(printf 'shard_%05d.safetensors' $n)"; n=$((n + 1))
   done
   echo "training on $n shards"
-  timeout $(( ${TRAIN_MINUTES:-6} * 60 + 120 )) python3 -m dspark.cli train-drafter \
-    --prompts /tmp/carry/train_prompts.jsonl --skip-prompts 4096 --num-prompts 20480 --out $R --shard-size 256 \
-    --max-new-tokens 192 --dtype bf16 --device "${TRAIN_DEVICE:-cuda}" ${TRAIN_INIT:---init-from drafters/smollm2-135m-dspark} --compile-loss \
-    --anchors-per-seq 48 --batch-size "${TRAIN_BATCH:-32}" --lr "${TRAIN_LR:-2e-4}" --min-lr-ratio 0.3 --warmup 30 \
-    --steps "${TRAIN_STEPS:-4500}" --save-every 100000 --time-budget-minutes "${TRAIN_MINUTES:-6}" --no-progress \
-    > /tmp/logs/train.txt 2>&1
-  echo "train rc $?"; tail -5 /tmp/logs/train.txt; cp /tmp/logs/train.txt "$OUT/"
-  cp $R/final/config.json "$OUT/" && cp $R/train_stats.json "$OUT/"
-  split -b 15M -d $R/final/model.safetensors "$OUT/model.safetensors.part."
-  timeout "${EVAL_S:-240}" python3 -m dspark.cli eval-drafter --drafter $R/final --prompts /tmp/carry/dev_prompts.jsonl \
-    --per-category 40 --max-tokens 256 --device "${TRAIN_DEVICE:-cuda}" --out "$OUT/eval_dev200.json" > /dev/null 2> /tmp/logs/eval.txt
-  echo "eval rc $?"; tail -3 /tmp/logs/eval.txt
+  # every GPU test meanwhile (FlashInfer's kernels were compiled by STAGE=setup)
+  # (after the setup's kernel tests: two processes compiling one JIT module could collide)
+  [ "${TESTS:-1}" = 1 ] && (for _ in $(seq 300); do [ -f /tmp/logs/kernels.rc ] && break; sleep 1; done
+    timeout "${TESTS_S:-420}" $PYTEST > "$OUT/pytest_gpu.txt" 2>&1; echo "rc $?" >> "$OUT/pytest_gpu.txt") &
+  # TRAIN_RUNS: runs trained side by side on the one GPU, "name|flags|lr;...": flags after the
+  # common ones win (argparse keeps the last), e.g. a warm start and a larger drafter from scratch
+  RUNS=${TRAIN_RUNS:-"warm|--init-from drafters/smollm2-135m-dspark|${TRAIN_LR:-2e-4}"}
+  IFS=';' read -ra SPECS <<< "$RUNS"
+  PIDS=() EVALS=()
+  export OMP_NUM_THREADS=$(( 16 / ${#SPECS[@]} ))
+  for spec in "${SPECS[@]}"; do
+    IFS='|' read -r name flags lr <<< "$spec"
+    mkdir -p runs/$name && cp -r $D runs/$name/data
+    # shellcheck disable=SC2086  # flags are words
+    timeout $(( ${TRAIN_MINUTES:-6} * 60 + 120 )) python3 -m dspark.cli train-drafter \
+      --prompts /tmp/carry/train_prompts.jsonl --skip-prompts 4096 --num-prompts 20480 --out runs/$name --shard-size 256 \
+      --max-new-tokens 192 --dtype bf16 --device "${TRAIN_DEVICE:-cuda}" --compile-loss \
+      --anchors-per-seq 48 --batch-size "${TRAIN_BATCH:-32}" --lr "$lr" --min-lr-ratio 0.3 --warmup 30 \
+      --steps "${TRAIN_STEPS:-4500}" --save-every 100000 --time-budget-minutes "${TRAIN_MINUTES:-6}" --lr-by-time \
+      --no-progress $flags > /tmp/logs/train_$name.txt 2>&1 &
+    PIDS+=($!)
+  done
+  wait "${PIDS[@]}"
+  for spec in "${SPECS[@]}"; do
+    IFS='|' read -r name flags lr <<< "$spec"
+    echo "--- $name"; tail -3 /tmp/logs/train_$name.txt
+    [ -f runs/$name/final/model.safetensors ] || continue
+    split -b 15M -d runs/$name/final/model.safetensors "$OUT/$name.safetensors.part."
+    timeout "${EVAL_S:-240}" python3 -m dspark.cli eval-drafter --drafter runs/$name/final \
+      --prompts /tmp/carry/dev_prompts.jsonl --per-category 40 --max-tokens 256 --max-num-seqs 40 \
+      --device "${TRAIN_DEVICE:-cuda}" --out runs/$name/eval_dev200.json > /dev/null 2> /tmp/logs/eval_$name.txt &
+    EVALS+=($!)
+  done
+  wait "${EVALS[@]}"
+  for spec in "${SPECS[@]}"; do  # one file per run besides its weights: at most 8 come back
+    IFS='|' read -r name flags lr <<< "$spec"
+    cp /tmp/logs/train_$name.txt /tmp/logs/eval_$name.txt runs/$name/ 2>/dev/null
+    python3 -c "import json,sys; print(sys.argv[1], json.load(open(sys.argv[2]))['tau'])" $name runs/$name/eval_dev200.json
+    tar -C runs/$name -cJf "$OUT/$name.meta.tar.xz" final/config.json train_stats.json eval_dev200.json \
+      train_$name.txt eval_$name.txt 2>/dev/null
+  done
+  tail -3 "$OUT/pytest_gpu.txt" 2>/dev/null
   exit 0
 fi
 wait_kernels "${KERNEL_WAIT_S:-240}"

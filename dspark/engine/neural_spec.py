@@ -130,15 +130,16 @@ class NeuralSpecRunner(SpecRunner):
         # back, skipping a [R, V] scatter per slot; sampled drafts need q over the target's.
         base = self.drafter.draft_logits(h) if greedy else self.drafter.head(h)  # [R, nd, V or Vd]
         to_target = self.drafter.draft_to_target if greedy else None
-        temp = torch.tensor([s.params.temperature for s in active], device=dev)
-        top_k = torch.tensor([s.params.top_k for s in active], device=dev)
-        top_p = torch.tensor([s.params.top_p for s in active], device=dev)
-        min_p = torch.tensor([s.params.min_p for s in active], device=dev)
-        u = torch.full((R, nd), 0.5)
-        for r, s in enumerate(active):
-            if s.generator is not None:
-                u[r] = torch.rand(nd, generator=s.generator)
-        u = u.to(dev)
+        if not greedy:  # the warping settings and each request's uniforms, only when sampling
+            temp = torch.tensor([s.params.temperature for s in active], device=dev)
+            top_k = torch.tensor([s.params.top_k for s in active], device=dev)
+            top_p = torch.tensor([s.params.top_p for s in active], device=dev)
+            min_p = torch.tensor([s.params.min_p for s in active], device=dev)
+            u = torch.full((R, nd), 0.5)
+            for r, s in enumerate(active):
+                if s.generator is not None:
+                    u[r] = torch.rand(nd, generator=s.generator)
+            u = u.to(dev)
         prev = torch.tensor([s.output_ids[-1] for s in active], device=dev)
         grammars = [s.grammar for s in active]
         constraint = DraftConstraint(grammars, self.engine.model_config.vocab_size, to_target) \

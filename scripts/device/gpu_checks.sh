@@ -24,7 +24,7 @@ mkdir -p "$OUT" /tmp/carry /tmp/site /tmp/logs
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # FlashInfer's JIT cache and our converted-model cache live in /tmp (kept while the machine is warm)
 export FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws DSPARK_CACHE_DIR=/tmp/dspark-cache
-PYTEST="python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py"
+PYTEST="python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py"
 
 untar_xz() { python3 -c "import tarfile, sys; tarfile.open(sys.argv[1], 'r:xz').extractall(sys.argv[2])" "$1" "$2"; }
 unxz() { python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$1" "$2"; }

@@ -138,6 +138,39 @@ def test_required_with_shared_definitions(server):
             assert isinstance(json.loads(call["function"]["arguments"])["who"]["name"], str)
 
 
+def test_required_hoists_draft07_definitions(server):
+    """Older generators (pydantic v1, zod-to-json-schema) keep shared types under "definitions":
+    they move to the list schema's root as $defs do."""
+    person = {"definitions": {"Person": {"type": "object", "properties": {"name": {"type": "string"}},
+                                         "required": ["name"], "additionalProperties": False}},
+              "type": "object", "properties": {"who": {"$ref": "#/definitions/Person"}}, "required": ["who"],
+              "additionalProperties": False}
+    greet = {"type": "function", "function": {"name": "greet", "parameters": person}}
+    r = _post(server, {"tools": [greet], "tool_choice": "required", "max_tokens": 96})
+    assert r.status_code == 200, r.text
+    [call] = r.json()["choices"][0]["message"]["tool_calls"][:1]
+    assert isinstance(json.loads(call["function"]["arguments"])["who"]["name"], str)
+
+
+def test_required_refuses_references_it_cannot_keep(server):
+    """A reference from the parameters' root to anywhere but its definitions would point into the
+    list's schema under "required": a 400 naming the function and the reference, not a 500."""
+    same = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+            "required": ["a", "b"]}
+    tools = [{"type": "function", "function": {"name": "pair", "parameters": same}}]
+    r = _post(server, {"tools": tools, "tool_choice": "required"})
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == "tools" and "'pair'" in err["message"] and "#/properties/a" in err["message"], err
+    bad = {"type": "object", "$defs": ["not", "an", "object"]}
+    r = _post(server, {"tools": [{"type": "function", "function": {"name": "odd", "parameters": bad}}],
+                       "tool_choice": "required"})
+    assert r.status_code == 400 and error_of(r)["param"] == "tools", r.text
+    # a named function keeps its parameters as the root, where the same reference resolves
+    r = _post(server, {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "pair"}}})
+    assert r.status_code == 200, r.text
+
+
 def test_a_named_call_cut_short_is_still_a_call(server):
     r = _post(server, {"tools": [WEATHER], "tool_choice": NAMED, "max_tokens": 4})
     choice = r.json()["choices"][0]

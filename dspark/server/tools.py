@@ -18,6 +18,22 @@ from dspark.engine.structured import StructuredOutputError
 _STRICT = ConfigDict(strict=True, extra="ignore")
 # a function without parameters still takes a JSON object, as OpenAI treats it
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+# where JSON schemas keep shared subschemas (2020-12, draft-07): hoisted to the root for "required"
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _misplaced_ref(node: Any) -> str | None:
+    """The first local "$ref" under node that does not point into a definitions folder."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+            return ref
+        children = list(node.values())
+    elif isinstance(node, list):
+        children = node
+    else:
+        return None
+    return next((r for child in children if (r := _misplaced_ref(child)) is not None), None)
 
 
 class FunctionDefinition(BaseModel):
@@ -201,23 +217,35 @@ class ToolCalling:
 
     def schema(self) -> dict:
         """The JSON schema the output is held to. For "required" each function's parameters sit
-        inside the list's schema, so their $defs move to its root (where "#/$defs/..." points)."""
+        inside the list's schema, so their $defs (and draft-07 definitions) move to its root,
+        where "#/$defs/..." points; other references from the root ("#/properties/...") would
+        point elsewhere there, and are refused."""
         if self.named is not None:
             f = next(f for f in self.functions if f.name == self.named)
             return f.parameters or _NO_PARAMETERS
-        defs: dict[str, Any] = {}
+        hoisted: dict[str, dict[str, Any]] = {key: {} for key in _DEFINITIONS}
         calls = []
         for f in self.functions:
             params = dict(f.parameters or _NO_PARAMETERS)
-            for key, value in params.pop("$defs", {}).items():
-                if defs.setdefault(key, value) != value:
-                    raise StructuredOutputError(f"tools: two functions define $defs/{key} differently", "tools")
+            for folder in _DEFINITIONS:
+                defs = params.pop(folder, None) or {}
+                if not isinstance(defs, dict):
+                    raise StructuredOutputError(f"tools: function {f.name!r}: {folder} must be an object", "tools")
+                for key, value in defs.items():
+                    if hoisted[folder].setdefault(key, value) != value:
+                        raise StructuredOutputError(f"tools: two functions define {folder}/{key} differently", "tools")
+            if (ref := _misplaced_ref(params)) is not None:
+                raise StructuredOutputError(
+                    f"tools: function {f.name!r} refers to {ref!r}, which tool_choice \"required\" cannot keep "
+                    "(its parameters are nested in a list of calls): put shared schemas under $defs", "tools")
             calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [f.name]},
                                                            "parameters": params},
                           "required": ["name", "parameters"]})
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if defs:
-            schema["$defs"] = defs
+        schema.update({folder: defs for folder, defs in hoisted.items() if defs})
+        if (ref := _misplaced_ref(schema)) is not None:  # inside a hoisted definition
+            raise StructuredOutputError(f"tools: a shared definition refers to {ref!r}, which tool_choice "
+                                        "\"required\" cannot keep: refer to $defs only", "tools")
         if not self.parallel:
             schema["maxItems"] = 1
         return schema

@@ -88,10 +88,18 @@ def test_required_tool_choice(server, stream):
         r = _post(server, body, stream=True)
         assert r.status_code == 200, r.text
         events = [json.loads(e) for e in sse_data(r.text.splitlines()) if e != "[DONE]"]
-        with_calls = [e["choices"][0] for e in events if e["choices"][0]["delta"].get("tool_calls")]
-        assert len(with_calls) == 1  # every call at once, when the output is complete
-        calls, finish = with_calls[0]["delta"]["tool_calls"], with_calls[0]["finish_reason"]
-        assert [c["index"] for c in calls] == list(range(len(calls)))
+        deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls") or []]
+        assert len(deltas) > 2  # a call's name first, then its arguments in pieces
+        calls = []
+        for d in deltas:
+            if "id" in d:
+                assert d["index"] == len(calls)
+                calls.append({"function": dict(d["function"])})
+            else:
+                calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+        finish = events[-1]["choices"][0]["finish_reason"]
+        whole = _post(server, body).json()["choices"][0]["message"]["tool_calls"]
+        assert [c["function"] for c in calls] == [c["function"] for c in whole]
     assert finish == "tool_calls" and calls
     for call in calls:
         assert call["function"]["name"] in ("get_weather", "get_time")
@@ -250,3 +258,16 @@ def test_the_template_sees_the_tools():
                          "{% for m in messages %}{{ m.content }}{% endfor %}")
     ids = encode_prompt(tok, len(tok), ChatPrompt(ASK, tools=[WEATHER, TIME]))
     assert tok.decode(ids).startswith("[get_weather][get_time]What is the weather")
+
+
+def test_required_cut_short_streams_a_partial_call_and_says_length(server):
+    """Streamed, a "required" call goes out as it is written, so an output cut by max_tokens has
+    sent part of one: finish_reason says "length", as it does for the whole response (text)."""
+    body = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 12}
+    r = _post(server, body, stream=True)
+    events = [json.loads(e) for e in sse_data(r.text.splitlines()) if e != "[DONE]"]
+    deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls") or []]
+    assert deltas and deltas[0]["function"]["name"] == "get_weather"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    choice = _post(server, body).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith("[")

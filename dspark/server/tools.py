@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dspark.engine.structured import StructuredOutputError
+from dspark.server.call_list import CallListScanner
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 # a function without parameters still takes a JSON object, as OpenAI treats it
@@ -199,6 +200,31 @@ class NamedCallArguments:
         return "", indexed([tool_call(self.name, text)])
 
 
+class RequiredCalls:
+    """Streams tool_choice "required" output call by call: a call's id and name once its name is
+    whole, then its arguments as they come. An output that ends before any name (cut short) is
+    sent as content, as the whole response would return it."""
+
+    def __init__(self) -> None:
+        self.scan, self.text = CallListScanner(), ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        self.text += text
+        self.scan.feed(text)
+        deltas = []
+        for i, call in enumerate(self.scan.calls):
+            if call.name is None:
+                continue
+            if not call.sent_header:
+                deltas.append({"index": i} | tool_call(call.name, call.arguments))
+            elif len(call.arguments) > call.sent:
+                deltas.append({"index": i, "function": {"arguments": call.arguments[call.sent:]}})
+            call.sent_header, call.sent = True, len(call.arguments)
+        if final and not any(c.sent_header for c in self.scan.calls):
+            return self.text, []
+        return "", deltas
+
+
 @dataclass(frozen=True)
 class ToolCalling:
     """How a request's output becomes tool calls: the arguments of one named function, or
@@ -258,12 +284,16 @@ class ToolCalling:
             return None, [tool_call(self.named, text)]
         try:  # a number past float range would come back as Infinity, which is not JSON: refused
             items = json.loads(text)
-            return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, allow_nan=False))
-                          for c in items]
+            for c in items:
+                str(c["name"]), json.dumps(c["parameters"], allow_nan=False)
         except (ValueError, KeyError, TypeError):  # ValueError covers json.JSONDecodeError
             return text, None
+        # each call's arguments are its parameters' text as written, as a stream sends them
+        scan = CallListScanner()
+        scan.feed(text)
+        return None, [tool_call(c["name"], read.arguments) for c, read in zip(items, scan.calls)]
 
-    def stream(self) -> NamedCallArguments | BufferedCalls:
+    def stream(self) -> NamedCallArguments | RequiredCalls:
         """A streamed output's reader: a named function's arguments as they come, "required"
-        calls whole at the end."""
-        return NamedCallArguments(self.named) if self.named is not None else BufferedCalls(self)
+        calls one by one, each one's arguments as they come."""
+        return NamedCallArguments(self.named) if self.named is not None else RequiredCalls()

@@ -82,3 +82,29 @@ def test_numbers_and_literals_as_parameters_end_where_the_item_does():
     _, deltas = _stream(text, 1)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in _joined(deltas)] == \
         [("get_time", "12.5"), ("get_weather", "null")]
+
+
+def test_finish_reason_is_tool_calls_only_for_a_whole_list():
+    """A stop string or max_tokens may cut a list a stream has partly sent: the engine's finish
+    reason stays, as in the whole response (where the cut list is text)."""
+    cut = LISTS[0][:40]
+    assert TOOLS.finish_reason(cut, "stop") == "stop" and TOOLS.finish_reason(cut, "length") == "length"
+    assert TOOLS.finish_reason(LISTS[0], "stop") == "tool_calls"
+    named = ToolCalling(TOOLS.functions, named="get_time")
+    assert named.finish_reason('{"zone": "UTC"}', "stop") == "stop"
+
+
+def test_arguments_are_the_text_as_written():
+    """Numbers JSON allows but Python reads as infinity are not refused: the arguments are text."""
+    text = '[{"name": "get_time", "parameters": {"x": 1e999}}]'
+    _, [call] = TOOLS.split(text)
+    assert call["function"]["arguments"] == '{"x": 1e999}'
+    deep = '[{"name": "get_time", "parameters": {"x": ' + "[" * 5000 + "]" * 5000 + "}}]"
+    assert TOOLS.split(deep) == (deep, None)  # too deep for json.loads: text, not a 500
+
+
+def test_value_keywords_are_data_not_references():
+    params = {"type": "object", "properties": {"link": {"type": "object", "default": {"$ref": "#/components/x"},
+                                                        "examples": [{"$ref": "#/x"}]}}}
+    schema = ToolCalling((FunctionDefinition(name="f", parameters=params),)).schema()
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == params

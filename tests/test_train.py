@@ -717,11 +717,40 @@ def test_lr_by_time_anneals_by_the_deadline(target, tmp_path, monkeypatch):
     data = _toy_data(tmp_path)
     tr = _trainer(target, data, tmp_path / "run", steps=1000, deadline=1100.0, lr_by_time=True, min_lr_ratio=0.2)
     plain = _trainer(target, data, tmp_path / "plain", steps=1000, deadline=1100.0, min_lr_ratio=0.2)
-    tr.fit_start = plain.fit_start = 1000.0
+    tr.anneal_start = plain.anneal_start = 1000.0
     now[0] = 1050.0
     half = 3e-3 * (0.2 + 0.8 * 0.5)
     assert tr.lr_at(3) == pytest.approx(half)
     assert plain.lr_at(3) > 0.99 * 3e-3  # steps alone: barely started
+    # a run resumed halfway along its cosine spreads the other half over its new budget
+    tr.resumed_progress = 0.5
+    assert tr.progress(3) == pytest.approx(0.75)
+    tr.resumed_progress = 0.0
     now[0] = 1100.0
     assert tr.lr_at(3) == pytest.approx(3e-3 * 0.2)
     assert tr.lr_at(0) == pytest.approx(3e-3 / 2)  # warm-up stays step-based
+
+
+def test_lr_by_time_progress_survives_a_resume(target, tmp_path, monkeypatch):
+    """The cosine's progress goes into the checkpoint: a run the clock stopped near its minimum
+    resumes near its minimum, not at its peak."""
+    import dspark.train.trainer as trainer_mod
+
+    now = [0.0]
+
+    def tick():
+        now[0] += 1.0  # every clock read moves one second: a 60-second budget ends in a few steps
+        return now[0]
+
+    monkeypatch.setattr(trainer_mod.time, "time", tick)
+    data = _toy_data(tmp_path)
+    first = _trainer(target, data, tmp_path / "run", steps=1000, deadline=60.0, lr_by_time=True, min_lr_ratio=0.2)
+    first.fit()
+    assert first.step < 1000 and first.lr_progress > 0.9
+    last_lr = first.history[-1]["lr"]
+    first.save_checkpoint()
+    again = _trainer(target, data, tmp_path / "run", steps=1000, deadline=now[0] + 600.0, lr_by_time=True,
+                     min_lr_ratio=0.2)
+    assert again.load_checkpoint() and again.resumed_progress == pytest.approx(first.lr_progress)
+    again.anneal_start = now[0]
+    assert again.lr_at(again.step) <= last_lr * 1.05

@@ -13,10 +13,14 @@ class _Call:
     """One list item as read so far: its name (once whole) and its parameters' raw text."""
 
     name: str | None = None
-    arguments: str = ""
+    chars: list[str] = field(default_factory=list)  # the parameters' text (a list: appends stay O(1))
     arguments_done: bool = False
     sent_header: bool = False
-    sent: int = 0  # characters of `arguments` already streamed
+    sent: int = 0  # characters of `chars` already streamed
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chars)
 
 
 @dataclass
@@ -81,13 +85,13 @@ class CallListScanner:
         asks, though a number or literal is read too); the whitespace before it is skipped and
         the value ends where it closes."""
         call = self.calls[-1]
-        if not call.arguments and ch.isspace():
+        if not call.chars and ch.isspace():
             return
-        if call.arguments and call.arguments[0] not in '{["' and (ch in ",}]" or ch.isspace()):
+        if call.chars and call.chars[0] not in '{["' and (ch in ",}]" or ch.isspace()):
             call.arguments_done, self.capture = True, None
             self._char(ch)  # the item's own punctuation
             return
-        call.arguments += ch
+        call.chars.append(ch)
         if self.in_string:
             if self.escaped:
                 self.escaped = False
@@ -101,5 +105,5 @@ class CallListScanner:
             self.depth += 1
         elif ch in "]}":
             self.depth -= 1
-        if self.depth == 2 and not self.in_string and call.arguments[0] in '{["':
+        if self.depth == 2 and not self.in_string and call.chars[0] in '{["':
             call.arguments_done, self.capture = True, None

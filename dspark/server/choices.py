@@ -135,11 +135,8 @@ class ChoiceRenderer:
                      stop_reason=stop, logprobs=self.logprobs(out, c), index=c.index)
 
     def _tool_finish(self, out: RequestOutput) -> str | None:
-        """finish_reason of an output read as tool calls: the output's own for a named function
-        (as OpenAI answers it) and for any output cut by max_tokens (its last call may be
-        partial: a stream has sent it), else "tool_calls"."""
-        keep = self.tools.keeps_finish_reason or out.finish_reason == "length"
-        return out.finish_reason if keep else "tool_calls"
+        """finish_reason of an output that made tool calls (the reader's rule)."""
+        return self.tools.finish_reason(out.text, out.finish_reason)
 
     def _tool_chunk(self, out: RequestOutput, c: Choice, finish: str | None, spec: dict | None,
                     stop: int | str | None) -> dict | None:

@@ -43,10 +43,16 @@ def _held_back(text: str, marker: str) -> int:
     return 0
 
 
+def calls_finish(text: str, engine_finish: str | None) -> str:
+    """An output in which a parser found calls ends with "tool_calls", as vLLM's "auto" answers."""
+    return "tool_calls"
+
+
 class HermesParser:
     """<tool_call> blocks: the text before the first is the content, each block one call."""
 
-    keeps_finish_reason = False  # an output with calls ends with "tool_calls"
+    finish_reason = staticmethod(calls_finish)
+
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END) + "|" + re.escape(START) + r"(.*)\Z", re.DOTALL)
 
@@ -118,7 +124,8 @@ class HermesStream:
 class Llama3JsonParser:
     """Llama 3's JSON tool calls: an output that is nothing but {"name", "parameters"} objects."""
 
-    keeps_finish_reason = False
+    finish_reason = staticmethod(calls_finish)
+
     TAG = "<|python_tag|>"
 
     def split(self, text: str) -> tuple[str | None, list[dict] | None]:

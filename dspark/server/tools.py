@@ -21,6 +21,8 @@ _STRICT = ConfigDict(strict=True, extra="ignore")
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 # where JSON schemas keep shared subschemas (2020-12, draft-07): hoisted to the root for "required"
 _DEFINITIONS = ("$defs", "definitions")
+# keywords whose values are JSON data, not schemas: a "$ref" inside them is only data
+_VALUE_KEYWORDS = frozenset({"default", "const", "enum", "examples"})
 
 
 def _misplaced_ref(node: Any) -> str | None:
@@ -29,7 +31,7 @@ def _misplaced_ref(node: Any) -> str | None:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
             return ref
-        children = list(node.values())
+        children = [v for k, v in node.items() if k not in _VALUE_KEYWORDS]
     elif isinstance(node, list):
         children = node
     else:
@@ -216,10 +218,10 @@ class RequiredCalls:
             if call.name is None:
                 continue
             if not call.sent_header:
-                deltas.append({"index": i} | tool_call(call.name, call.arguments))
-            elif len(call.arguments) > call.sent:
-                deltas.append({"index": i, "function": {"arguments": call.arguments[call.sent:]}})
-            call.sent_header, call.sent = True, len(call.arguments)
+                deltas.append({"index": i} | tool_call(call.name, call.text))
+            elif len(call.chars) > call.sent:
+                deltas.append({"index": i, "function": {"arguments": "".join(call.chars[call.sent:])}})
+            call.sent_header, call.sent = True, len(call.chars)
         if final and not any(c.sent_header for c in self.scan.calls):
             return self.text, []
         return "", deltas
@@ -235,11 +237,13 @@ class ToolCalling:
     named: str | None = None
     parallel: bool = True
 
-    @property
-    def keeps_finish_reason(self) -> bool:
-        """A named function's output ends with the engine's finish_reason, as OpenAI answers it;
-        every other read of tool calls ends with "tool_calls"."""
-        return self.named is not None
+    def finish_reason(self, text: str, engine_finish: str | None) -> str | None:
+        """finish_reason of an output that made calls: a named function's is the engine's, as
+        OpenAI answers it; a "required" list's is "tool_calls" when the list is whole, else the
+        engine's (a stream may have sent part of a call before max_tokens or a stop string)."""
+        if self.named is not None or self.split(text)[1] is None:
+            return engine_finish
+        return "tool_calls"
 
     def schema(self) -> dict:
         """The JSON schema the output is held to. For "required" each function's parameters sit
@@ -284,14 +288,17 @@ class ToolCalling:
             return None, [tool_call(self.named, text)]
         try:  # a number past float range would come back as Infinity, which is not JSON: refused
             items = json.loads(text)
-            for c in items:
-                str(c["name"]), json.dumps(c["parameters"], allow_nan=False)
-        except (ValueError, KeyError, TypeError):  # ValueError covers json.JSONDecodeError
+            names = [str(c["name"]) for c in items if "parameters" in c]
+        except (ValueError, KeyError, TypeError, RecursionError):  # ValueError covers JSONDecodeError
+            return text, None
+        if len(names) != len(items):
             return text, None
         # each call's arguments are its parameters' text as written, as a stream sends them
         scan = CallListScanner()
         scan.feed(text)
-        return None, [tool_call(c["name"], read.arguments) for c, read in zip(items, scan.calls)]
+        if len(scan.calls) != len(items):  # only text no grammar wrote (nested lists): canonical JSON
+            return None, [tool_call(n, json.dumps(c["parameters"], ensure_ascii=False)) for n, c in zip(names, items)]
+        return None, [tool_call(name, read.text) for name, read in zip(names, scan.calls)]
 
     def stream(self) -> NamedCallArguments | RequiredCalls:
         """A streamed output's reader: a named function's arguments as they come, "required"

@@ -79,7 +79,8 @@ class TrainConfig:
 # Settings a resumed run may change on purpose (more --steps after new data reshapes the cosine),
 # but that should never change unnoticed: load_checkpoint lists the ones that differ.
 RESUME_SETTINGS = ("steps", "lr", "min_lr_ratio", "warmup", "batch_size", "grad_accum", "anchors_per_seq",
-                   "weight_decay", "gamma", "loss_weights", "dtype", "seed", "length_groups", "average_from")
+                   "weight_decay", "gamma", "loss_weights", "dtype", "seed", "length_groups", "average_from",
+                   "lr_by_time")
 
 
 class Trainer:
@@ -111,7 +112,10 @@ class Trainer:
         self.elapsed = 0.0
         self.history: list[dict] = []
         self.average: list[torch.Tensor] | None = None  # running mean of self.params (average_from)
-        self.fit_start: float | None = None  # time.time() when fit began (lr_by_time)
+        # lr_by_time: when this invocation's annealing began (warm-up done), and how far along the
+        # cosine an earlier invocation got (from the checkpoint); lr_progress is this run's so far
+        self.anneal_start: float | None = None
+        self.resumed_progress = self.lr_progress = 0.0
         self.average_n = 0
         self.order = BatchOrder([len(s) for s in data.seqs], cfg.batch_size, cfg.seed, cfg.length_groups)
         self.amp = DTYPES[cfg.dtype] == torch.bfloat16
@@ -130,10 +134,20 @@ class Trainer:
         c = self.cfg
         if step < c.warmup:
             return c.lr * (step + 1) / c.warmup
-        t = (step - c.warmup) / max(1, c.steps - c.warmup)
-        if c.lr_by_time and c.deadline is not None and self.fit_start is not None:
-            t = max(t, (time.time() - self.fit_start) / max(1e-9, c.deadline - self.fit_start))
+        t = self.progress(step)
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+    def progress(self, step: int) -> float:
+        """How far along the cosine a step after warm-up is, from 0 to 1: its share of the steps,
+        or with lr_by_time the larger of that and the share of the time budget gone since the
+        annealing began in this invocation, applied to what an earlier invocation left (a
+        resumed run continues its cosine over its new budget instead of starting it again)."""
+        c = self.cfg
+        t = (step - c.warmup) / max(1, c.steps - c.warmup)
+        if c.lr_by_time and c.deadline is not None and self.anneal_start is not None:
+            share = (time.time() - self.anneal_start) / max(1e-9, c.deadline - self.anneal_start)
+            t = max(t, self.resumed_progress + (1 - self.resumed_progress) * min(1.0, share))
+        return min(1.0, t)
 
     def micro_loss(self, micro: int) -> tuple[torch.Tensor, dict]:
         c = self.cfg
@@ -161,7 +175,11 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step (grad_accum micro-batches); returns the averaged loss parts."""
         c = self.cfg
+        if self.step == c.warmup and self.anneal_start is None:
+            self.anneal_start = time.time()
         lr = self.lr_at(self.step)
+        if self.step >= c.warmup:
+            self.lr_progress = max(self.lr_progress, self.progress(self.step))
         for g in self.opt.param_groups:
             g["lr"] = lr
         agg: dict = {}
@@ -203,7 +221,7 @@ class Trainer:
         if self.cache is not None:
             self.cache.flush()
         ck = RunCheckpoint(state={"step": self.step, "elapsed_s": self.elapsed, "history": self.history,
-                                  "average_n": self.average_n, "adam_steps": {},
+                                  "average_n": self.average_n, "adam_steps": {}, "lr_progress": self.lr_progress,
                                   "config": {k: v for k, v in asdict(self.cfg).items() if k != "deadline"},
                                   "drafter_config": asdict(self.drafter.config)},
                            drafter=self.drafter.state_dict())
@@ -235,6 +253,7 @@ class Trainer:
                 self.opt.state[p] = {"step": torch.tensor(state["adam_steps"][name]),
                                      "exp_avg": ck.exp_avg[name], "exp_avg_sq": ck.exp_avg_sq[name]}
         self.step, self.elapsed, self.history = state["step"], state["elapsed_s"], state["history"]
+        self.resumed_progress = self.lr_progress = state.get("lr_progress", 0.0)
         if ck.average is not None:
             self.average, self.average_n = [ck.average[n] for n in self.names], state["average_n"]
         saved_cfg, mine_cfg = state.get("config", {}), asdict(self.cfg)
@@ -248,7 +267,8 @@ class Trainer:
 
         c = self.cfg
         start = self.step
-        self.fit_start = time.time()
+        if self.step >= c.warmup:
+            self.anneal_start = time.time()
         bar = tqdm(total=c.steps, initial=start, desc="train", unit="step", disable=not c.progress,
                    dynamic_ncols=True)
         t_last = time.perf_counter()

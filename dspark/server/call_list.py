@@ -14,9 +14,6 @@ class _Call:
 
     name: str | None = None
     chars: list[str] = field(default_factory=list)  # the parameters' text (a list: appends stay O(1))
-    arguments_done: bool = False
-    sent_header: bool = False
-    sent: int = 0  # characters of `chars` already streamed
 
     @property
     def text(self) -> str:
@@ -42,56 +39,8 @@ class CallListScanner:
         for ch in text:
             self._char(ch)
 
-    def _char(self, ch: str) -> None:
-        if self.capture == "parameters":
-            self._parameters_char(ch)
-            return
-        if self.in_string:
-            self.token += ch
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-                self._string_done()
-            return
-        if ch == '"':
-            self.in_string, self.token = True, ch
-        elif ch in "[{":
-            self.depth += 1
-            if self.depth == 2 and ch == "{":
-                self.calls.append(_Call())
-                self.expect_key = True
-        elif ch in "]}":
-            self.depth -= 1
-        elif ch == "," and self.depth == 2:
-            self.expect_key = True
-        elif ch == ":" and self.depth == 2:
-            self.capture = self.key if self.key in ("name", "parameters") else None
-
-    def _string_done(self) -> None:
-        if self.depth != 2:
-            return
-        value = json.loads(self.token)
-        if self.expect_key:
-            self.key, self.expect_key = value, False
-        elif self.capture == "name" and self.calls:
-            self.calls[-1].name = value if isinstance(value, str) else None
-            self.capture = None
-
-    def _parameters_char(self, ch: str) -> None:
-        """A character of the current item's parameters value (a JSON object, as FunctionDefinition
-        asks, though a number or literal is read too); the whitespace before it is skipped and
-        the value ends where it closes."""
-        call = self.calls[-1]
-        if not call.chars and ch.isspace():
-            return
-        if call.chars and call.chars[0] not in '{["' and (ch in ",}]" or ch.isspace()):
-            call.arguments_done, self.capture = True, None
-            self._char(ch)  # the item's own punctuation
-            return
-        call.chars.append(ch)
+    def _track(self, ch: str) -> None:
+        """The JSON structure a character moves: strings (and their escapes) and nesting."""
         if self.in_string:
             if self.escaped:
                 self.escaped = False
@@ -105,5 +54,48 @@ class CallListScanner:
             self.depth += 1
         elif ch in "]}":
             self.depth -= 1
+
+    def _char(self, ch: str) -> None:
+        if self.capture == "parameters" and self._parameters_char(ch):
+            return
+        was_in_string = self.in_string
+        self._track(ch)
+        if was_in_string:
+            self.token += ch
+            if not self.in_string:
+                self._string_done()
+        elif self.in_string:  # a string opens
+            self.token = ch
+        elif self.depth == 2 and ch in "{,":  # an item opens, or its next key follows
+            if ch == "{":
+                self.calls.append(_Call())
+            self.expect_key = True
+        elif self.depth == 2 and ch == ":":
+            self.capture = self.key if self.key in ("name", "parameters") else None
+
+    def _string_done(self) -> None:
+        if self.depth != 2:
+            return
+        value = json.loads(self.token)
+        if self.expect_key:
+            self.key, self.expect_key = value, False
+        elif self.capture == "name" and self.calls:
+            self.calls[-1].name = value if isinstance(value, str) else None
+            self.capture = None
+
+    def _parameters_char(self, ch: str) -> bool:
+        """Reads a character of the current item's parameters value (a JSON object, as
+        FunctionDefinition asks, though a number or literal is read too): the whitespace before
+        it is skipped and the value ends where it closes. False for the character that ends a
+        number or literal, which is the item's own punctuation."""
+        call = self.calls[-1]
+        if not call.chars and ch.isspace():
+            return True
+        if call.chars and call.chars[0] not in '{["' and (ch in ",}]" or ch.isspace()):
+            self.capture = None
+            return False
+        call.chars.append(ch)
+        self._track(ch)
         if self.depth == 2 and not self.in_string and call.chars[0] in '{["':
-            call.arguments_done, self.capture = True, None
+            self.capture = None
+        return True

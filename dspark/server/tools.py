@@ -209,6 +209,7 @@ class RequiredCalls:
 
     def __init__(self) -> None:
         self.scan, self.text = CallListScanner(), ""
+        self.sent: dict[int, int] = {}  # call index -> characters of its arguments sent
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         self.text += text
@@ -217,12 +218,12 @@ class RequiredCalls:
         for i, call in enumerate(self.scan.calls):
             if call.name is None:
                 continue
-            if not call.sent_header:
+            if i not in self.sent:
                 deltas.append({"index": i} | tool_call(call.name, call.text))
-            elif len(call.chars) > call.sent:
-                deltas.append({"index": i, "function": {"arguments": "".join(call.chars[call.sent:])}})
-            call.sent_header, call.sent = True, len(call.chars)
-        if final and not any(c.sent_header for c in self.scan.calls):
+            elif len(call.chars) > self.sent[i]:
+                deltas.append({"index": i, "function": {"arguments": "".join(call.chars[self.sent[i]:])}})
+            self.sent[i] = len(call.chars)
+        if final and not self.sent:
             return self.text, []
         return "", deltas
 
@@ -286,19 +287,18 @@ class ToolCalling:
         are (text, None) unless the text is a complete list (an output cut by max_tokens is not)."""
         if self.named is not None:
             return None, [tool_call(self.named, text)]
-        try:  # a number past float range would come back as Infinity, which is not JSON: refused
+        try:
             items = json.loads(text)
-            names = [str(c["name"]) for c in items if "parameters" in c]
-        except (ValueError, KeyError, TypeError, RecursionError):  # ValueError covers JSONDecodeError
+        except (ValueError, RecursionError):  # ValueError covers json.JSONDecodeError
             return text, None
-        if len(names) != len(items):
+        if not isinstance(items, list) or not all(isinstance(c, dict) and {"name", "parameters"} <= c.keys()
+                                                  for c in items):
             return text, None
-        # each call's arguments are its parameters' text as written, as a stream sends them
+        # each call's arguments are its parameters' text as written, as a stream sends them (the
+        # scanner finds one call per item: every item is an object)
         scan = CallListScanner()
         scan.feed(text)
-        if len(scan.calls) != len(items):  # only text no grammar wrote (nested lists): canonical JSON
-            return None, [tool_call(n, json.dumps(c["parameters"], ensure_ascii=False)) for n, c in zip(names, items)]
-        return None, [tool_call(name, read.text) for name, read in zip(names, scan.calls)]
+        return None, [tool_call(str(c["name"]), read.text) for c, read in zip(items, scan.calls)]
 
     def stream(self) -> NamedCallArguments | RequiredCalls:
         """A streamed output's reader: a named function's arguments as they come, "required"

@@ -175,7 +175,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step (grad_accum micro-batches); returns the averaged loss parts."""
         c = self.cfg
-        if self.step == c.warmup and self.anneal_start is None:
+        if self.step >= c.warmup and self.anneal_start is None:  # warm-up ends, or a resumed run goes on
             self.anneal_start = time.time()
         lr = self.lr_at(self.step)
         if self.step >= c.warmup:
@@ -267,8 +267,6 @@ class Trainer:
 
         c = self.cfg
         start = self.step
-        if self.step >= c.warmup:
-            self.anneal_start = time.time()
         bar = tqdm(total=c.steps, initial=start, desc="train", unit="step", disable=not c.progress,
                    dynamic_ncols=True)
         t_last = time.perf_counter()

@@ -103,10 +103,11 @@ if [ "$STAGE" = train ]; then
   # common ones win (argparse keeps the last), e.g. a warm start and a larger drafter from scratch
   RUNS=${TRAIN_RUNS:-"warm|--init-from drafters/smollm2-135m-dspark|${TRAIN_LR:-2e-4}"}
   IFS=';' read -ra SPECS <<< "$RUNS"
-  PIDS=() EVALS=()
+  PIDS=() EVALS=() NAMES=()
   export OMP_NUM_THREADS=$(( 16 / ${#SPECS[@]} ))
   for spec in "${SPECS[@]}"; do
     IFS='|' read -r name flags lr <<< "$spec"
+    NAMES+=("$name")
     mkdir -p runs/$name && cp -r $D runs/$name/data
     # shellcheck disable=SC2086  # flags are words
     timeout $(( ${TRAIN_MINUTES:-6} * 60 + 120 )) python3 -m dspark.cli train-drafter \
@@ -118,8 +119,7 @@ if [ "$STAGE" = train ]; then
     PIDS+=($!)
   done
   wait "${PIDS[@]}"
-  for spec in "${SPECS[@]}"; do
-    IFS='|' read -r name flags lr <<< "$spec"
+  for name in "${NAMES[@]}"; do
     echo "--- $name"; tail -3 /tmp/logs/train_$name.txt
     [ -f runs/$name/final/model.safetensors ] || continue
     split -b 15M -d runs/$name/final/model.safetensors "$OUT/$name.safetensors.part."
@@ -129,8 +129,7 @@ if [ "$STAGE" = train ]; then
     EVALS+=($!)
   done
   wait "${EVALS[@]}"
-  for spec in "${SPECS[@]}"; do  # one file per run besides its weights: at most 8 come back
-    IFS='|' read -r name flags lr <<< "$spec"
+  for name in "${NAMES[@]}"; do  # one file per run besides its weights: at most 8 come back
     cp /tmp/logs/train_$name.txt /tmp/logs/eval_$name.txt runs/$name/ 2>/dev/null
     python3 -c "import json,sys; print(sys.argv[1], json.load(open(sys.argv[2]))['tau'])" $name runs/$name/eval_dev200.json
     tar -C runs/$name -cJf "$OUT/$name.meta.tar.xz" final/config.json train_stats.json eval_dev200.json \

@@ -219,6 +219,13 @@ def test_layout_loads_and_matches_reference(tmp_path, target, kind, own_embed):
         if kind == "dspark":
             w1 = sd["markov_head.markov_w1.weight"][prev]
             _close(step, base + w1 @ sd["markov_head.markov_w2.weight"].T, "Markov logits")
+            model.requires_grad_(False)  # as the engine holds it: the Markov bias from a float32 copy
+            with torch.inference_mode():
+                frozen = torch.stack([model.step_logits(base[k], prev[k]) for k in range(dh.shape[0])])
+            model.requires_grad_(True)
+            _close(frozen, step, "frozen Markov logits")
+            with torch.inference_mode():  # a batch of slots at once, as the engine calls it
+                _close(model.step_logits(base, prev), step, "frozen Markov logits, batched")
             want_c = torch.cat([slots_used, w1], -1) @ sd["confidence_head.proj.weight"].T \
                 + sd["confidence_head.proj.bias"]
             _close(conf, want_c.squeeze(-1), "confidence logits")

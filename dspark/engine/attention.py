@@ -45,7 +45,7 @@ class _Group:
 
     gather: torch.Tensor  # [S, Lmax] cache slots
     q_index: torch.Tensor  # [S, Qmax] rows of q (padding -> the zero row)
-    mask: torch.Tensor  # [S, 1, Qmax, Lmax]
+    mask: torch.Tensor | None  # [S, 1, Qmax, Lmax]; None: every query sees every key (inexact only)
     out_rows: torch.Tensor  # rows of the flattened [S * Qmax] output that are real queries
     dest: torch.Tensor  # where those rows go in the [N] output
     short: bool  # decode steps and verification chains/trees (exact), not long prefill chunks
@@ -55,7 +55,10 @@ class TorchAttention:
     """Reference backend: gather paged K/V into padded batches, one masked SDPA per group.
 
     Sequences are grouped by query length (single tokens, short chains and trees, long prefill
-    chunks) so a prefill chunk does not pad every decoding request's query to its length."""
+    chunks) so a prefill chunk does not pad every decoding request's query to its length.
+    exact=False (the drafter's, whose proposals need no bit-equality) attends short groups in
+    float32 instead of float64, and an unmasked group (one block seeing all its keys) in the
+    cache's own dtype, where CPU SDPA is fastest."""
 
     name = "torch"
     # Query-length group bounds: q == 1, q <= 16, q <= 33, longer. Every bounded group is attended
@@ -64,8 +67,9 @@ class TorchAttention:
     # get decoded alone; longer prefill chunks need not.
     BUCKETS = (1, 16, 33)
 
-    def __init__(self, device: str | torch.device):
+    def __init__(self, device: str | torch.device, exact: bool = True):
         self.device = torch.device(device)
+        self.exact = exact
 
     def plan(self, batch: AttnBatch) -> None:
         self.num_tokens = sum(batch.q_lens)
@@ -107,7 +111,11 @@ class TorchAttention:
             if q < qmax:  # padded query rows see one key so softmax stays finite
                 mask[g, q:, 0] = True
         dev = self.device
-        return _Group(gather.to(dev), q_index.to(dev), mask[:, None].to(dev), torch.cat(out_rows).to(dev),
+        # exact groups keep their mask even when it hides nothing: SDPA's unmasked kernel sums in
+        # another order, and a decoded token must match the same token verified
+        keep = self.exact or not bool(mask.all())
+        return _Group(gather.to(dev), q_index.to(dev), mask[:, None].to(dev) if keep else None,
+                      torch.cat(out_rows).to(dev),
                       torch.cat(dest).to(dev), qmax <= self.BUCKETS[-1] or batch.mask == "custom")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -122,12 +130,12 @@ class TorchAttention:
             qp = qz[g.q_index]  # [S, Qmax, H, D]
             kp = k_cache[g.gather]  # [S, Lmax, Hkv, D]
             vp = v_cache[g.gather]
-            if cpu_reduced_precision(qp):
+            if cpu_reduced_precision(qp) and g.mask is not None:
                 # CPU SDPA with a boolean mask runs several times slower in bf16/fp16 than in
                 # fp32 (measured 4x at q=1), so prefill chunks are attended in fp32, and decode/
                 # verification groups in float64 (exact_dtype: plain and speculative decoding
                 # must reach the same bits).
-                dt = exact_dtype(qp) if g.short else torch.float32
+                dt = exact_dtype(qp) if g.short and self.exact else torch.float32
                 qp, kp, vp = qp.to(dt), kp.to(dt), vp.to(dt)
             o = F.scaled_dot_product_attention(
                 qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
@@ -139,10 +147,11 @@ class TorchAttention:
         return out
 
 
-def make_backend(name: str, device: str | torch.device, static=None, workspace: torch.Tensor | None = None):  # noqa: ANN201 - TorchAttention or FlashInferAttention
+def make_backend(name: str, device: str | torch.device, static=None, workspace: torch.Tensor | None = None,
+                 exact: bool = True):  # noqa: ANN201 - TorchAttention or FlashInferAttention
     """Pick an attention backend: "torch", "flashinfer" or "auto". static (a StaticBatch) asks for
     CUDA-graph-safe buffers and workspace shares another FlashInfer backend's scratch memory; the
-    torch backend, which is never captured, ignores both."""
+    torch backend, which is never captured, ignores both. exact=False: see TorchAttention."""
     dev = torch.device(device)
     if name == "auto":
         name = "torch"
@@ -154,7 +163,7 @@ def make_backend(name: str, device: str | torch.device, static=None, workspace: 
             except ImportError:
                 pass
     if name == "torch":
-        return TorchAttention(dev)
+        return TorchAttention(dev, exact)
     if name == "flashinfer":
         from dspark.engine.flashinfer_backend import FlashInferAttention
 

@@ -27,7 +27,8 @@ class NeuralSpecRunner(SpecRunner):
 
     def __init__(self, cfg: SpecConfig, engine, path: str):
         super().__init__(cfg, engine)
-        self.drafter = load_drafter(path, engine.model, engine.dtype, engine.device)
+        # frozen: the engine never trains it, and frozen heads keep float32 copies (MarkovHead)
+        self.drafter = load_drafter(path, engine.model, engine.dtype, engine.device).requires_grad_(False)
         dc = self.drafter.config
         self.name = dc.kind
         if cfg.block_size is not None and cfg.block_size > dc.num_drafts:
@@ -37,7 +38,8 @@ class NeuralSpecRunner(SpecRunner):
         pool = engine.pool
         self.kv = KVCache(dc.num_hidden_layers, engine.kv_pages, pool.page_size, dc.num_key_value_heads,
                           dc.head_dim, engine.dtype, engine.device)
-        self.attn = make_backend(engine.config.attention_backend, engine.device)
+        # drafts need no bit-equality with anything, so the drafter attends in the faster dtypes
+        self.attn = make_backend(engine.config.attention_backend, engine.device, exact=False)
         # load-aware needs the target's cost profile: calibrate() measures it once the engine is
         # complete (CUDA graphs change what a pass costs)
         self.policy = None if cfg.policy == "load-aware" else make_policy(cfg.policy, cfg.threshold, None)

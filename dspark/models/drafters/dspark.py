@@ -142,9 +142,23 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab, rank)
         self.markov_w2 = nn.Linear(rank, out_vocab or vocab, bias=False)
+        self._w2t: tuple | None = None  # (key, float32 W2 transposed) for frozen weights
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_w2(self.markov_w1(prev))
+
+    def add_bias(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Float base + W2(W1[prev]) over W2's vocabulary. Frozen weights take one float32 addmm:
+        on CPU a bf16 GEMM with 32 inputs runs ~3x slower than that (it is called once per draft
+        slot, so it added ~1 ms to a batch-1 drafter pass)."""
+        w = self.markov_w2.weight
+        if w.requires_grad:
+            return base + self(prev).float()
+        key = (w.data_ptr(), w.dtype, w.device)
+        if self._w2t is None or self._w2t[0] != key:
+            self._w2t = (key, w.detach().float().t().contiguous())
+        e = self.markov_w1(prev).float()
+        return torch.addmm(base, e, self._w2t[1]) if e.dim() == 2 else base + e @ self._w2t[1]
 
 
 class ConfidenceHead(nn.Module):
@@ -155,7 +169,8 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(in_dim, 1)
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.proj(feats).squeeze(-1)
+        # in float32: a bf16 GEMM with one output column takes a slow path on CPU (~8x)
+        return F.linear(feats.float(), self.proj.weight.float(), self.proj.bias.float()).squeeze(-1)
 
 
 class BlockDrafter(nn.Module):
@@ -243,8 +258,9 @@ class BlockDrafter(nn.Module):
         over the draft vocabulary (training) or the target's (inference, from head())."""
         if self.markov_head is None:
             return base
-        bias = self.markov_head(prev).float()
-        return base + (bias if bias.shape[-1] == base.shape[-1] else self.to_target_vocab(bias, 0.0))
+        if base.shape[-1] == self.markov_head.markov_w2.out_features:
+            return self.markov_head.add_bias(base, prev)
+        return base + self.to_target_vocab(self.markov_head(prev).float(), 0.0)
 
     def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """Confidence logits [..] for draft slots given their previous tokens."""

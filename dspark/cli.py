@@ -14,6 +14,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
     p.add_argument("--tree", action="store_true", help="verify a draft tree instead of a chain")
     p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per request (default: 16)")
+    p.add_argument("--ngram-assist", type=int, default=None,
+                   help="neural drafters: verify the continuation of an earlier occurrence of a request's "
+                        "last N+ tokens instead of a drafted block (default: 2; 0: never)")
     p.add_argument("--spec-policy", default=None, choices=["fixed", "threshold", "load-aware"])
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence cut for --spec-policy threshold (default: 0.5)")
@@ -39,6 +42,8 @@ def ignored_flags(args: argparse.Namespace, policy: str, tree_by_method: bool = 
         out.append(f"--threshold only applies to --spec-policy threshold (this run uses {policy})")
     if args.tree_budget is not None and not args.tree and not tree_by_method:
         out.append("--tree-budget only applies with --tree")
+    if getattr(args, "ngram_assist", None) is not None and args.drafter in ("none", "ngram"):
+        out.append(f"--ngram-assist only applies to a neural drafter (this run uses {args.drafter})")
     if args.drafter == "none" and (args.block_size is not None or args.tree or args.spec_policy is not None):
         out.append("--drafter none: --block-size, --tree and --spec-policy have no effect")
     return out
@@ -53,7 +58,8 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
     policy = args.spec_policy or default_policy
     for note in ignored_flags(args, policy, tree_by_method):
         print(f"warning: {note}", file=sys.stderr)
-    given = {k: v for k, v in (("tree_budget", args.tree_budget), ("threshold", args.threshold)) if v is not None}
+    given = {k: v for k, v in (("tree_budget", args.tree_budget), ("threshold", args.threshold),
+                               ("ngram_assist", args.ngram_assist)) if v is not None}
     spec = SpecConfig(drafter=args.drafter, block_size=args.block_size, tree=args.tree, policy=policy, **given)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,

@@ -186,12 +186,17 @@ class SpecConfig:
     threshold: float = 0.5
     ngram_max: int = 4
     ngram_min: int = 1
+    # neural drafters: a request whose last ngram_assist (up to ngram_max) tokens occurred earlier
+    # in it verifies their continuation instead of a drafted block (0: never)
+    ngram_assist: int = 2
 
     def validate(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 32:
             raise ValueError(f"block_size must be in [1, 32], got {self.block_size}")
         if self.policy not in ("fixed", "threshold", "load-aware"):
             raise ValueError(f"unknown spec policy {self.policy!r}: choose fixed, threshold or load-aware")
+        if not _is_token_id(self.ngram_assist):  # an integer >= 0
+            raise ValueError(f"ngram_assist must be an integer >= 0, got {self.ngram_assist!r}")
         if self.tree_budget < 1 or self.tree_topk < 1:
             raise ValueError("tree_budget and tree_topk must be >= 1")
         if self.drafter not in (None, "none", "ngram") and not os.path.isdir(self.drafter):

@@ -276,8 +276,9 @@ def test_context_shrinks_to_the_pool(folders, prompts, plain, tree):
 
 def test_proposed_counts_only_steps_that_drafted(folders, prompts, monkeypatch):
     """A step in which a request drafts nothing (one token short of max_tokens) adds nothing to its
-    proposed count, whatever it drafted the step before."""
-    engine = make_engine(folders["target"], folders["dspark"])
+    proposed count, whatever it drafted the step before (looked-up chains, which propose their
+    own length, are off here)."""
+    engine = make_engine(folders["target"], folders["dspark"], ngram_assist=0)
     spec, drafted = engine.spec, {}
     real = spec.propose
 
@@ -314,3 +315,33 @@ def test_smollm2_random_drafter(tmp_path):
     outs = run_requests(engine, [(p, sp, b) for p, b in zip(prompts, (None, 3))])
     _assert_same(outs, ref)
     assert engine.spec_stats.verified > 0
+
+
+ASSIST = [("fixed", False), ("load-aware", False), ("fixed", True)]
+
+
+@pytest.mark.parametrize("policy,tree", ASSIST, ids=[f"{p}{'-tree' if t else ''}" for p, t in ASSIST])
+def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_path, monkeypatch):
+    """Past one lap of the target's 24-token cycle, requests repeat themselves: their looked-up chains
+    replace the drafter's blocks (the drafter pass skipped when every request has one), outputs stay
+    plain decoding's, sampled requests riding along, and looked-up chains are accepted further than
+    drafted ones."""
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    engine = make_engine(folders["target"], folders["dspark"], policy=policy, tree=tree, tree_budget=6)
+    spec, looked, passes = engine.spec, [], []
+    real = spec.propose
+
+    def recording(seqs, other_tokens=0):
+        before = spec.num_draft_passes
+        out = real(seqs, other_tokens)
+        looked.append(len(spec.assist.looked))
+        passes.append(spec.num_draft_passes - before)
+        return out
+
+    monkeypatch.setattr(spec, "propose", recording)
+    sp = dataclasses.replace(GREEDY, max_tokens=72)
+    sampled = [(prompts[2], SamplingParams(temperature=0.9, seed=5, max_tokens=30), None)]
+    outs = run_requests(engine, [(p, sp, None) for p in prompts[:3]] + sampled)[:3]
+    _assert_same(outs, plain([(p, sp) for p in prompts[:3]]))
+    assert sum(looked) > 0 and 0 in passes  # some steps looked up every chain and skipped the pass
+    assert sum(spec.assist.reached) > 0 and spec.assist.prior(4).tolist() != [0.5] * 4

@@ -26,9 +26,10 @@ class NgramSpecRunner(SpecRunner):
         out = {}
         self._proposed.clear()
         for seq in seqs:
-            drafts = self.drafter.propose(seq.all_ids, self.draft_budget(seq))
+            drafts = self.drafter.propose(seq.all_ids, self.draft_budget(seq), key=seq.seq_id)
             self._proposed[seq.seq_id] = len(drafts)
             out[seq.seq_id] = drafts
+        self.drafter.forget_all_but({s.seq_id for s in seqs})
         return out
 
 

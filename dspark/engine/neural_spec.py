@@ -9,6 +9,7 @@ import time
 import torch
 
 from dspark.config import SpecConfig
+from dspark.engine.assist import NgramAssist
 from dspark.engine.attention import make_backend
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.policy import make_policy
@@ -34,6 +35,8 @@ class NeuralSpecRunner(SpecRunner):
         if cfg.block_size is not None and cfg.block_size > dc.num_drafts:
             raise ValueError(f"block size {cfg.block_size} exceeds the {dc.num_drafts} tokens this drafter emits")
         self.block_size = cfg.block_size or dc.num_drafts
+        self.assist = NgramAssist(cfg.ngram_assist, max(cfg.ngram_max, cfg.ngram_assist), dc.num_drafts) \
+            if cfg.ngram_assist else None
         self.capture_layers = tuple(dc.target_layer_ids)
         pool = engine.pool
         self.kv = KVCache(dc.num_hidden_layers, engine.kv_pages, pool.page_size, dc.num_key_value_heads,
@@ -104,6 +107,8 @@ class NeuralSpecRunner(SpecRunner):
     def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, list[int] | DraftTree]:
         self._q.clear()
         self._proposed.clear()  # a request that drafts nothing this step proposed nothing
+        if self.assist is not None:
+            self.assist.clear()
         active = [s for s in seqs if self.draft_budget(s) > 0]
         if not active:
             return {}
@@ -112,21 +117,69 @@ class NeuralSpecRunner(SpecRunner):
             self._skip_steps -= 1
             return {}
         t0 = time.perf_counter()
-        dc, dev = self.drafter.config, self.engine.device
-        B, nd, R = dc.block_size, dc.num_drafts, len(active)
+        looked = self.assist.look_up(active, [self.draft_budget(s) for s in active]) if self.assist else {}
+        neural = [s for s in active if s.seq_id not in looked]
+        h = self._block_pass(neural) if neural else None
+        if self.cfg.tree:  # looked-up requests verify their whole chain beside the others' trees
+            out = self._propose_trees(neural, self.drafter.draft_logits(h), other_tokens,
+                                      self.estimated_draft_seconds(len(neural))) if neural else {}
+            for sid, chain in looked.items():
+                out[sid] = chain
+                self._proposed[sid] = len(chain)
+                self.assist.sent(sid, len(chain))
+        else:
+            out = self._propose_chains(active, neural, h, looked, other_tokens)
+        if neural:
+            self._record_pass(len(neural), time.perf_counter() - t0)
+        return out
+
+    def _block_pass(self, active: list[Sequence]) -> torch.Tensor:
+        """The drafter's forward over [anchor, MASK...] per request -> [R, num_drafts, H] draft slots."""
+        dc = self.drafter.config
+        B, R = dc.block_size, len(active)
         items = [(s, [s.output_ids[-1]] + [dc.mask_token_id] * (B - 1)) for s in active]
         batch, ids, pos = self.engine.runner.batch_layout(items, mask="full")
         out = self.graphs.run(batch, ids) if self.graphs is not None else None
         if out is None:
             self.attn.plan(batch)
             out = self.block_forward(ids, pos, self.attn)
-        h = out[0].view(R, B, -1)
-        h = self.drafter.draft_hidden(h)
-        if self.cfg.tree:
-            trees = self._propose_trees(active, self.drafter.draft_logits(h), other_tokens,
-                                        self.estimated_draft_seconds(R))
-            self._record_pass(R, time.perf_counter() - t0)
-            return trees
+        return self.drafter.draft_hidden(out[0].view(R, B, -1))
+
+    def _propose_chains(self, active: list[Sequence], neural: list[Sequence], h: torch.Tensor | None,
+                        looked: dict[int, list[int]], other_tokens: int) -> dict[int, list[int]]:
+        """Drafted chains for `neural`, looked-up ones for the rest, cut to what the policy admits
+        (the confidence head's estimates for drafts, the assist's running rates for lookups)."""
+        nd = self.drafter.config.num_drafts
+        drafted, conf, stops = self._draft_chains(neural, h) if neural else ([], None, [])
+        by_seq = {s.seq_id: r for r, s in enumerate(neural)}
+        chains, budgets, rows = [], [], []
+        prior = self.assist.prior(nd) if looked else None
+        for s in active:
+            r = by_seq.get(s.seq_id)
+            chain = looked[s.seq_id] if r is None else drafted[r]
+            chains.append(chain)
+            budgets.append(min(self.draft_budget(s), len(chain)) if r is None else self.draft_budget(s))
+            rows.append(prior if r is None else conf[r])
+        draft_seconds = self.estimated_draft_seconds(len(neural)) if neural else 0.0
+        lengths = self.policy.choose(budgets, torch.stack(rows), other_tokens, draft_seconds)
+        out = {}
+        for s, chain, n in zip(active, chains, lengths):
+            r = by_seq.get(s.seq_id)
+            if r is None:
+                self._proposed[s.seq_id] = len(chain)
+                self.assist.sent(s.seq_id, n)
+                out[s.seq_id] = chain[:n]
+                continue
+            self._proposed[s.seq_id] = nd
+            out[s.seq_id] = chain[:n if stops[r] is None else min(n, stops[r])]
+        return out
+
+    def _draft_chains(self, active: list[Sequence], h: torch.Tensor) -> tuple[list[list[int]], torch.Tensor, list]:
+        """Walk the Markov head over the draft slots h [R, num_drafts, H]: per request its drafts,
+        their confidences [R, num_drafts] (on the CPU) and where a grammar stops them (None: no
+        stop). Sampled requests' draft distributions go to self._q."""
+        dc, dev = self.drafter.config, self.engine.device
+        nd, R = dc.num_drafts, len(active)
         greedy = all(s.params.greedy for s in active)
         # Greedy drafts are one-hot, so they walk the (reduced) draft vocabulary and map the picks
         # back, skipping a [R, V] scatter per slot; sampled drafts need q over the target's.
@@ -166,20 +219,12 @@ class NeuralSpecRunner(SpecRunner):
                     constraint.advance(prev, k)
         finally:  # the matchers go back to their requests' committed state whatever happens
             stops = constraint.finish() if constraint is not None else [None] * R
-        tokens_t = torch.stack(tokens, 1)
         conf = self.drafter.confidence(h, torch.stack(prevs, 1))
-        conf = torch.sigmoid(conf) if conf is not None else self._acceptance_prior(R, nd)
-        budgets = [self.draft_budget(s) for s in active]
-        lengths = self.policy.choose(budgets, conf, other_tokens, self.estimated_draft_seconds(R))
-        drafts = tokens_t.tolist()
-        self._record_pass(R, time.perf_counter() - t0)
-        out = {}
+        conf = torch.sigmoid(conf).float().cpu() if conf is not None else self._acceptance_prior(R, nd)
         for r, s in enumerate(active):
-            self._proposed[s.seq_id] = nd
-            out[s.seq_id] = drafts[r][:lengths[r] if stops[r] is None else min(lengths[r], stops[r])]
             if probs and not s.params.greedy:
                 self._q[s.seq_id] = torch.stack([p[r] for p in probs])
-        return out
+        return torch.stack(tokens, 1).tolist(), conf, stops
 
     def block_forward(self, ids: torch.Tensor, pos: torch.Tensor, attn) -> tuple[torch.Tensor]:
         """The drafter's block forward -> (final hidden,): run eagerly, or captured by a GraphPool."""
@@ -240,6 +285,10 @@ class NeuralSpecRunner(SpecRunner):
     @torch.inference_mode()
     def commit(self, ctx_rows, result) -> None:
         rows, entries = [], []
+        if self.assist is not None and self.assist.verified:
+            for seq, _, kept in ctx_rows:
+                if seq.seq_id in self.assist.verified:
+                    self.assist.observe(seq.seq_id, len(kept) - 1)
         for seq, start, kept in ctx_rows:
             if seq.is_finished or not kept:
                 continue

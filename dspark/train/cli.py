@@ -104,6 +104,9 @@ def add_train_parsers(sub) -> None:
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--tree-budget", type=int, default=None,
                    help="verify draft trees of this many nodes instead of chains")
+    e.add_argument("--ngram-assist", type=int, default=None,
+                   help="look up chains after suffix matches of this many tokens (0: the drafter alone; "
+                        "default: the engine's, 2)")
     e.add_argument("--model", default=None)
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto")
@@ -261,13 +264,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dspark.config import SamplingParams
     from dspark.train.evaluate import evaluate
 
-    check_at_least(args, num_prompts=1, per_category=1, max_tokens=1, block_size=1, tree_budget=1, max_num_seqs=1)
+    check_at_least(args, num_prompts=1, per_category=1, max_tokens=1, block_size=1, tree_budget=1, max_num_seqs=1,
+                   ngram_assist=0)
     SamplingParams(temperature=args.temperature)  # validated before the model loads
     check_output_path(args.out)
     res = evaluate(args.drafter, args.prompts, num_prompts=args.num_prompts, per_category=args.per_category,
                    max_tokens=args.max_tokens, temperature=args.temperature, model=args.model,
                    device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                   block_size=args.block_size, tree_budget=args.tree_budget)
+                   block_size=args.block_size, tree_budget=args.tree_budget, ngram_assist=args.ngram_assist)
     text = json.dumps(res, indent=2)
     print(text)
     if args.out:

@@ -34,9 +34,12 @@ class _StepRecorder:
             return orig_propose(seqs, other_tokens)
 
         def choose(budgets, conf, *a, **kw):
+            # looked-up chains (the n-gram assist) carry running rates, not the head's confidences
+            looked = runner.assist.looked if getattr(runner, "assist", None) is not None else {}
             if conf is not None:
                 for s, row in zip(state["active"], conf.float().cpu().tolist()):
-                    self.pending.append((s.seq_id, row))
+                    if s.seq_id not in looked:
+                        self.pending.append((s.seq_id, row))
             return orig_choose(budgets, conf, *a, **kw)
 
         runner.propose, runner.policy.choose = propose, choose
@@ -45,7 +48,7 @@ class _StepRecorder:
 def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, per_category: int | None = None,
              max_tokens: int = 256, temperature: float = 0.0, model: str | None = None, device: str = "auto",
              dtype: str = "auto", max_num_seqs: int = 16, block_size: int | None = None, seed: int = 0,
-             thresholds=THRESHOLDS, tree_budget: int | None = None) -> dict:
+             thresholds=THRESHOLDS, tree_budget: int | None = None, ngram_assist: int | None = None) -> dict:
     """Greedy (or sampled) generation for every prompt with `drafter`; the JSON report. With
     tree_budget the target verifies draft trees of that many nodes instead of chains (the
     confidence savings then stay empty: a tree is pruned by joint draft probability)."""
@@ -64,9 +67,11 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
         prompts = picked
     if num_prompts:
         prompts = prompts[:num_prompts]
-    tree = {"tree": True, "tree_budget": tree_budget} if tree_budget is not None else {}
+    spec = {"tree": True, "tree_budget": tree_budget} if tree_budget is not None else {}
+    if ngram_assist is not None:
+        spec["ngram_assist"] = ngram_assist
     llm = LLM(model=model, drafter=drafter, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-              block_size=block_size, **tree)
+              block_size=block_size, **spec)
     eng = llm.engine
     rec = _StepRecorder(eng.spec) if hasattr(eng.spec, "policy") else None
     steps: list[tuple[str, list[float], int, int]] = []  # (category, conf, verified, accepted)
@@ -117,7 +122,7 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
     tot_steps = sum(v["steps"] for v in cat.values())
     result = {
         "drafter": drafter, "prompts": len(prompts), "temperature": temperature, "max_tokens": max_tokens,
-        "tree_budget": tree_budget,
+        "tree_budget": tree_budget, "ngram_assist": llm.engine.config.spec.ngram_assist,
         "tau": round(sum(v["generated"] for v in cat.values()) / max(1, tot_steps), 3),
         "tau_per_category": {k: v["tau"] for k, v in per_cat.items()},
         # tau weights categories by their target passes (long answers weigh more); this weighs them equally

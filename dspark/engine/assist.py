@@ -1,0 +1,56 @@
+"""Prompt-lookup assist for a neural drafter (as Arctic Inference pairs suffix decoding with its
+speculators): where a request's last tokens already occurred earlier in it, their continuation is
+proposed instead of the drafter's block. Small models loop and copy from their prompts; there a
+looked-up chain is accepted far further than a drafted one, and the drafter pass is skipped for
+the requests that took one. Proposals are deterministic, so their q is one-hot and verification
+stays exact for greedy and sampled requests alike."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.engine.sequence import Sequence
+from dspark.models.drafters.ngram import NgramDrafter
+
+
+class NgramAssist:
+    """Looks up chains for requests with a suffix match of at least `min_match` tokens (up to
+    `max_match`), and learns how far such chains survive, per block position, for the policies."""
+
+    def __init__(self, min_match: int, max_match: int, positions: int):
+        self.lookup = NgramDrafter(max_n=max_match, min_n=min_match)
+        self.looked: dict[int, list[int]] = {}  # seq_id -> its looked-up chain, this step
+        self.verified: dict[int, int] = {}  # seq_id -> looked-up tokens verified this step
+        self.reached = [0] * positions  # steps whose chain was verified up to this position
+        self.accepted = [0] * positions  # ... and accepted there
+
+    def look_up(self, seqs: list[Sequence], budgets: list[int]) -> dict[int, list[int]]:
+        """seq_id -> a looked-up chain, for the requests that have one. Requests under a grammar
+        keep the drafter, whose drafts the grammar steers."""
+        self.clear()
+        for s, b in zip(seqs, budgets):
+            if s.grammar is None:
+                chain = self.lookup.propose(s.all_ids, b, key=s.seq_id)
+                if chain:
+                    self.looked[s.seq_id] = chain
+        self.lookup.forget_all_but({s.seq_id for s in seqs})
+        return self.looked
+
+    def clear(self) -> None:
+        """A step without lookups (drafting paused, nothing to draft)."""
+        self.looked, self.verified = {}, {}
+
+    def prior(self, width: int) -> torch.Tensor:
+        """[width] estimated chance that a looked-up token survives given the ones before it."""
+        return torch.tensor([(a + 1) / (r + 2) for a, r in zip(self.accepted[:width], self.reached[:width])])
+
+    def sent(self, seq_id: int, n: int) -> None:
+        """Record that n looked-up tokens of seq_id go to verification this step."""
+        self.verified[seq_id] = n
+
+    def observe(self, seq_id: int, accepted: int) -> None:
+        """How many of seq_id's looked-up tokens the target accepted this step."""
+        n = self.verified.get(seq_id, 0)
+        for i in range(min(accepted + 1, n, len(self.reached))):
+            self.reached[i] += 1
+            self.accepted[i] += i < accepted

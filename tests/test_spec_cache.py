@@ -153,9 +153,9 @@ def test_paused_drafter_defers_context_writes(folders, fresh, monkeypatch):
         if not engine.has_unfinished():
             break
         engine.step()
-        deferred = max(deferred, spec._pending_rows)
+        deferred = max(deferred, spec.context.pending_rows)
         if spec._skip_steps == 0:  # the next step may draft: nothing may still be pending
-            assert not spec._pending
+            assert not spec.context.pending
             for s in engine.running:
                 if s.num_cached:
                     check_caches(engine, fresh, s)

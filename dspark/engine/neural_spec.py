@@ -11,6 +11,7 @@ import torch
 from dspark.config import SpecConfig
 from dspark.engine.assist import NgramAssist
 from dspark.engine.attention import make_backend
+from dspark.engine.drafter_context import DrafterContext
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.policy import make_policy
 from dspark.engine.sampling import sample, warp_logits
@@ -50,10 +51,7 @@ class NeuralSpecRunner(SpecRunner):
         self.draft_seconds: dict[int, float] = {}  # EMA of a drafter pass's wall time, by batch size
         self.num_draft_passes = 0
         self._skip_steps, self._backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
-        # deferred context writes, one entry per step: (features of its kept rows, and for each
-        # request in row order (seq, its preemption count then, first position, rows))
-        self._pending: list[tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]] = []
-        self._pending_rows = 0
+        self.context = DrafterContext(self.drafter, self.kv, pool, engine.device)
 
     def calibrate(self) -> None:
         if self.policy is None:
@@ -276,49 +274,13 @@ class NeuralSpecRunner(SpecRunner):
                 q[r, torch.arange(n), torch.tensor(d, device=q.device)] = 1.0
         return q
 
-    # While drafting is paused nothing reads the drafter's context, so the K/V of the positions
-    # committed meanwhile wait and go in one batched write once the pause ends: a write of a few
-    # rows per step costs ~4% of a small CPU step, most of it per-call overhead. Every commit
-    # leaves nothing pending unless drafting is paused, so no drafter pass sees a stale context.
-    MAX_PENDING_ROWS = 8192  # past this, write anyway (bounded memory under a flood of prefills)
-
     @torch.inference_mode()
     def commit(self, ctx_rows, result) -> None:
-        rows, entries = [], []
         if self.assist is not None and self.assist.verified:
             for seq, _, kept in ctx_rows:
                 if seq.seq_id in self.assist.verified:
                     self.assist.observe(seq.seq_id, len(kept) - 1)
-        for seq, start, kept in ctx_rows:
-            if seq.is_finished or not kept:
-                continue
-            rows.extend(kept)
-            entries.append((seq, seq.num_preemptions, start, len(kept)))
-        if rows:  # one gather, a copy: CUDA graph outputs are overwritten by the next replay
-            self._pending.append((result.feats[torch.tensor(rows, device=self.engine.device)], entries))
-            self._pending_rows += len(rows)
-        if self._skip_steps == 0 or self._pending_rows > self.MAX_PENDING_ROWS:
-            self._flush_context()
+        self.context.add(ctx_rows, result.feats, flush=self._skip_steps == 0)
 
     def context_pending(self) -> bool:
-        return bool(self._pending)
-
-    def _flush_context(self) -> None:
-        """Write every pending position into the drafter's cache. A request that finished or was
-        preempted since is skipped: its pages are gone, or its new prefill rewrites them."""
-        pending, self._pending, self._pending_rows = self._pending, [], 0
-        feats, slots, positions = [], [], []
-        for f, entries in pending:
-            keep, at = [], 0
-            for seq, preemptions, start, n in entries:
-                if not seq.is_finished and seq.num_preemptions == preemptions:
-                    keep.extend(range(at, at + n))
-                    slots.extend(self.engine.pool.slots(seq.seq_id, start, start + n))
-                    positions.extend(range(start, start + n))
-                at += n
-            if keep:
-                feats.append(f if len(keep) == at else f[torch.tensor(keep, device=f.device)])
-        if feats:
-            dev = self.engine.device
-            self.drafter.write_context(feats[0] if len(feats) == 1 else torch.cat(feats),
-                                       torch.tensor(positions, device=dev), torch.tensor(slots, device=dev), self.kv)
+        return bool(self.context.pending)

@@ -1,7 +1,7 @@
 """Where a speculative step's time goes at batch 1: the target's forward, the drafter's proposal
 (block forward, draft logits, Markov steps) and its context write, per step and per call.
 
-    .venv/bin/python scripts/step_costs.py [--num-prompts 4] [--max-tokens 128] [--spec-policy fixed] [--drafter none]
+    .venv/bin/python scripts/step_costs.py [--num-prompts 4] [--max-tokens 128] [--spec-policy fixed] [--drafter none] [--ngram-assist 0]
 
 Greedy generation on the first dev prompts with the default model and drafter, timers wrapped
 around the engine's and the drafter's methods (nested: the drafter's parts are inside propose).
@@ -45,8 +45,9 @@ def main() -> None:
     ap.add_argument("--spec-policy", default="fixed", choices=["fixed", "threshold", "load-aware"])
     ap.add_argument("--prompts", default=str(DEV))
     ap.add_argument("--drafter", default=None, help="drafter folder, 'ngram' or 'none' (default: the shipped one)")
+    ap.add_argument("--ngram-assist", type=int, default=2, help="0: the drafter alone")
     args = ap.parse_args()
-    llm = LLM(drafter=args.drafter, policy=args.spec_policy)
+    llm = LLM(drafter=args.drafter, policy=args.spec_policy, ngram_assist=args.ngram_assist)
     engine, spec = llm.engine, llm.engine.spec
     totals: dict[str, float] = collections.defaultdict(float)
     counts: collections.Counter = collections.Counter()

@@ -124,7 +124,7 @@ if [ "$STAGE" = train ]; then
     [ -f runs/$name/final/model.safetensors ] || continue
     split -b 15M -d runs/$name/final/model.safetensors "$OUT/$name.safetensors.part."
     timeout "${EVAL_S:-240}" python3 -m dspark.cli eval-drafter --drafter runs/$name/final \
-      --prompts /tmp/carry/dev_prompts.jsonl --per-category 40 --max-tokens 256 --max-num-seqs 40 \
+      --prompts /tmp/carry/dev_prompts.jsonl --per-category 40 --max-tokens 256 --max-num-seqs 40 --ngram-assist 0 \
       --device "${TRAIN_DEVICE:-cuda}" --out runs/$name/eval_dev200.json > /dev/null 2> /tmp/logs/eval_$name.txt &
     EVALS+=($!)
   done

@@ -69,6 +69,8 @@ def test_a_model_that_fails_to_load_records_nothing(prompts, tmp_path, capsys):
 @pytest.mark.parametrize("argv,words", [
     (["eval-drafter", "--drafter", "x", "--per-category", "0"], "--per-category must be >= 1"),
     (["eval-drafter", "--drafter", "x", "--temperature", "-1"], "temperature"),
+    (["eval-drafter", "--drafter", "x", "--ngram-assist", "-1"], "--ngram-assist must be >= 0"),
+    (["generate", "--prompt", "hi", "--ngram-assist", "-2"], "ngram_assist must be an integer >= 0"),
     (["eval-drafter", "--drafter", "x", "--out", "/nonexistent/dir/r.json"], "does not exist"),
     (["bench", "--methods", "ar", "--output", "/nonexistent/dir/r.json"], "does not exist"),
     (["generate", "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),

@@ -60,9 +60,12 @@ def test_flags_without_effect_are_warned_about(capsys):
     assert "--tree-budget only applies with --tree" in warnings(["--tree-budget", "8"])
     assert warnings(["--tree-budget", "8"], tree_by_method=True) == ""  # bench's dspark-tree method
     assert "--drafter none" in warnings(["--drafter", "none", "--block-size", "4"])
+    assert "--ngram-assist only applies to a neural drafter" in warnings(["--drafter", "ngram", "--ngram-assist", "3"])
     spec = engine_config(p.parse_args(["--tree", "--tree-budget", "8"])).spec
     assert (spec.tree_budget, spec.threshold) == (8, 0.5)  # given values, else SpecConfig's defaults
     assert engine_config(p.parse_args([])).spec.tree_budget == 16
+    assert engine_config(p.parse_args([])).spec.ngram_assist == 2
+    assert engine_config(p.parse_args(["--ngram-assist", "0"])).spec.ngram_assist == 0
 
 
 def test_serve_exits_when_the_engine_cannot_load(tmp_path):

@@ -280,6 +280,8 @@ def test_metrics_consistent_with_responses(ngram_server):
     assert metric(m, "dspark:spec_decode_num_draft_tokens_total") == total("proposed")
     assert metric(m, "dspark:spec_decode_num_verified_tokens_total") == total("verified")
     assert metric(m, "dspark:spec_decode_num_accepted_tokens_total") == total("accepted") > 0
+    assert metric(m, "dspark:spec_decode_num_lookup_drafts_total") == total("lookup_steps")
+    assert metric(m, "dspark:spec_decode_num_lookup_accepted_tokens_total") == total("lookup_accepted")
     for pos in range(max(len(s[3]["accepted_per_pos"]) for s in seen)):
         assert metric(m, "dspark:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == \
             sum(s[3]["accepted_per_pos"][pos] for s in seen if pos < len(s[3]["accepted_per_pos"]))

@@ -344,4 +344,7 @@ def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_p
     outs = run_requests(engine, [(p, sp, None) for p in prompts[:3]] + sampled)[:3]
     _assert_same(outs, plain([(p, sp) for p in prompts[:3]]))
     assert sum(looked) > 0 and 0 in passes  # some steps looked up every chain and skipped the pass
+    st = engine.spec_stats  # every request's steps that verified a lookup, and what they kept
+    assert 0 < st.lookup_steps <= sum(looked) and 0 < st.lookup_accepted <= st.accepted
+    assert sum(o.stats.lookup_steps for o in outs) <= st.lookup_steps
     assert sum(spec.assist.reached) > 0 and spec.assist.prior(4).tolist() != [0.5] * 4

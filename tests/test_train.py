@@ -573,6 +573,15 @@ def test_eval_drafter_reports_per_category(tiny_folder, target, tmp_path):
     assert len(res["acceptance_per_position"]) == 4
     assert all(len(c["acceptance_per_position"]) == 4 for c in cats.values())
     assert res["confidence_savings"]["steps_recorded"] > 0 and res["tree_budget"] is None
+    assert res["ngram_assist"] == 2 and 0 <= res["lookup_accepted"] and 0 <= res["lookup_steps"] <= steps
+    # looked-up steps carry no confidences, so the savings count only the drafted ones
+    assert res["confidence_savings"]["steps_recorded"] <= steps - res["lookup_steps"]
+    assert main(["eval-drafter", "--drafter", str(tmp_path / "d"), "--prompts", str(pf), "--model", tiny_folder,
+                 "--device", "cpu", "--dtype", "float32", "--per-category", "2", "--max-tokens", "10",
+                 "--ngram-assist", "0", "--out", str(out)]) == 0
+    alone = json.loads(out.read_text())  # the drafter alone: no step looks a chain up
+    assert alone["ngram_assist"] == 0 and alone["lookup_steps"] == alone["lookup_accepted"] == 0
+    assert alone["confidence_savings"]["steps_recorded"] > 0
     assert main(["eval-drafter", "--drafter", str(tmp_path / "d"), "--prompts", str(pf), "--model", tiny_folder,
                  "--device", "cpu", "--dtype", "float32", "--per-category", "2", "--max-tokens", "10",
                  "--tree-budget", "6", "--out", str(out)]) == 0

@@ -187,6 +187,8 @@ def _spec_summary(stats: list[Any]) -> dict[str, Any]:
     return {"tau": round(committed / steps, 4) if steps else None, "steps": steps,
             "proposed": sum(s.proposed for s in stats), "verified": sum(s.verified for s in stats),
             "accepted": sum(s.accepted for s in stats),
+            "lookup_steps": sum(s.lookup_steps for s in stats),
+            "lookup_accepted": sum(s.lookup_accepted for s in stats),
             "acceptance_per_pos": [round(a / v, 4) if v else None for a, v in zip(acc, ver)],
             "verified_per_pos": ver}
 

@@ -220,7 +220,8 @@ class Engine:
                 if w.kind == "decode":
                     a = len(w.kept_rows) - 1
                     for st in (w.seq.stats, self.spec_stats):
-                        st.record(self.spec.num_proposed(w.seq), w.num_verified, a, committed)
+                        st.record(self.spec.num_proposed(w.seq), w.num_verified, a, committed,
+                                  self.spec.looked_up(w.seq))
         ctx_rows = []
         for w in works:
             seq, start = w.seq, w.seq.num_cached

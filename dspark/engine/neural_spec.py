@@ -282,5 +282,8 @@ class NeuralSpecRunner(SpecRunner):
                     self.assist.observe(seq.seq_id, len(kept) - 1)
         self.context.add(ctx_rows, result.feats, flush=self._skip_steps == 0)
 
+    def looked_up(self, seq: Sequence) -> bool:
+        return self.assist is not None and self.assist.verified.get(seq.seq_id, 0) > 0
+
     def context_pending(self) -> bool:
         return bool(self.context.pending)

@@ -28,6 +28,8 @@ class SpecStats:
     verified: int = 0  # draft tokens the policy sent to the target
     accepted: int = 0  # draft tokens the target kept
     generated: int = 0  # tokens committed by decode steps (accepted + corrections/bonuses)
+    lookup_steps: int = 0  # steps that verified a looked-up chain (the n-gram assist) instead
+    lookup_accepted: int = 0  # ... and the tokens accepted from those chains
     accepted_per_pos: list[int] = field(default_factory=list)
     verified_per_pos: list[int] = field(default_factory=list)
 
@@ -36,8 +38,11 @@ class SpecStats:
         """Tokens committed per target pass (accepted + 1 on average)."""
         return self.generated / self.steps if self.steps else 0.0
 
-    def record(self, proposed: int, verified: int, accepted: int, committed: int) -> None:
+    def record(self, proposed: int, verified: int, accepted: int, committed: int, looked_up: bool = False) -> None:
         self.steps += 1
+        if looked_up:
+            self.lookup_steps += 1
+            self.lookup_accepted += accepted
         self.proposed += proposed
         self.verified += verified
         self.accepted += accepted
@@ -56,6 +61,8 @@ class SpecStats:
         self.verified += other.verified
         self.accepted += other.accepted
         self.generated += other.generated
+        self.lookup_steps += other.lookup_steps
+        self.lookup_accepted += other.lookup_accepted
         for mine, theirs in ((self.accepted_per_pos, other.accepted_per_pos),
                              (self.verified_per_pos, other.verified_per_pos)):
             mine.extend([0] * (len(theirs) - len(mine)))
@@ -65,6 +72,7 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "proposed": self.proposed, "verified": self.verified,
                 "accepted": self.accepted, "tau": round(self.tau, 4),
+                "lookup_steps": self.lookup_steps, "lookup_accepted": self.lookup_accepted,
                 "accepted_per_pos": list(self.accepted_per_pos),
                 "verified_per_pos": list(self.verified_per_pos)}
 

@@ -58,6 +58,10 @@ class SpecRunner:
     def num_proposed(self, seq: Sequence) -> int:
         return self._proposed.get(seq.seq_id, 0)
 
+    def looked_up(self, seq: Sequence) -> bool:
+        """Whether seq verified a looked-up chain (the n-gram assist) this step, not drafts."""
+        return False
+
     def draft_probs(self, rows, K: int, V: int, proposals) -> torch.Tensor | None:
         """[R, K, V] draft distributions of the verified tokens, or None when one-hot."""
         return None

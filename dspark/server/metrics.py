@@ -13,6 +13,9 @@ latency after every step, the rest per request when it finishes. Counter semanti
   1 + accepted / drafts matches vLLM's formula, and generation tokens / drafts ~ tau.
 - spec_decode_num_draft_tokens: draft tokens the drafter proposed; ..._verified_tokens: the
   ones the policy sent to the target; ..._accepted_tokens: the ones the target kept.
+- spec_decode_num_lookup_drafts / ..._lookup_accepted_tokens: the passes that verified a
+  looked-up chain (the n-gram assist) instead of drafts, and the tokens kept from them (a part
+  of the counters above).
 - The spec_decode counters and request_success_total{finished_reason} are added when
   a request ends (aborted ones included, under finished_reason="abort"), from the same
   SpecStats a response reports under "speculation", so they always agree with the responses.
@@ -74,6 +77,10 @@ class ServerMetrics:
         self.verified_tokens = counter("spec_decode_num_verified_tokens",
                                        "Draft tokens the policy sent to the target for verification.")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.lookup_drafts = counter("spec_decode_num_lookup_drafts",
+                                     "Target passes that verified a looked-up chain (n-gram assist).")
+        self.lookup_accepted = counter("spec_decode_num_lookup_accepted_tokens",
+                                       "Looked-up (n-gram assist) tokens accepted.")
         self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the block.",
                                         names + ["position"], registry=r)
@@ -118,6 +125,8 @@ class ServerMetrics:
         self.draft_tokens.inc(s.proposed)
         self.verified_tokens.inc(s.verified)
         self.accepted_tokens.inc(s.accepted)
+        self.lookup_drafts.inc(s.lookup_steps)
+        self.lookup_accepted.inc(s.lookup_accepted)
         for pos, n in enumerate(s.accepted_per_pos):
             self.accepted_per_pos.labels(*self._labels, str(pos)).inc(n)
 

@@ -99,7 +99,8 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
                 if sid in confs and st.steps == n0 + 1:
                     steps.append((rid_cat[seq.request_id], confs[sid], st.verified - v0, st.accepted - a0))
     wall = time.perf_counter() - t0
-    cat = defaultdict(lambda: {"requests": 0, "steps": 0, "generated": 0, "accepted": 0, "verified": 0})
+    cat = defaultdict(lambda: {"requests": 0, "steps": 0, "generated": 0, "accepted": 0, "verified": 0,
+                               "lookup_steps": 0, "lookup_accepted": 0})
     acc_pos: dict[str, Counter] = defaultdict(Counter)  # per category: block position -> count
     ver_pos: dict[str, Counter] = defaultdict(Counter)
     total_tokens = 0
@@ -111,6 +112,8 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
         c["generated"] += s.generated
         c["accepted"] += s.accepted
         c["verified"] += s.verified
+        c["lookup_steps"] += s.lookup_steps
+        c["lookup_accepted"] += s.lookup_accepted
         total_tokens += len(o.token_ids)
         for k, (a, v) in enumerate(zip(s.accepted_per_pos, s.verified_per_pos)):
             acc_pos[rid_cat[rid]][k] += a
@@ -125,6 +128,9 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
         "tree_budget": tree_budget, "ngram_assist": llm.engine.config.spec.ngram_assist,
         "tau": round(sum(v["generated"] for v in cat.values()) / max(1, tot_steps), 3),
         "tau_per_category": {k: v["tau"] for k, v in per_cat.items()},
+        # the n-gram assist's part: steps that verified a looked-up chain, and the tokens kept from them
+        "lookup_steps": sum(v["lookup_steps"] for v in cat.values()),
+        "lookup_accepted": sum(v["lookup_accepted"] for v in cat.values()),
         # tau weights categories by their target passes (long answers weigh more); this weighs them equally
         "tau_category_mean": round(sum(v["tau"] for v in per_cat.values()) / max(1, len(per_cat)), 3),
         "per_category": per_cat,

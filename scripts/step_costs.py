@@ -1,7 +1,8 @@
 """Where a speculative step's time goes at batch 1: the target's forward, the drafter's proposal
 (block forward, draft logits, Markov steps) and its context write, per step and per call.
 
-    .venv/bin/python scripts/step_costs.py [--num-prompts 4] [--max-tokens 128] [--spec-policy fixed] [--drafter none] [--ngram-assist 0]
+    .venv/bin/python scripts/step_costs.py [--num-prompts 4] [--max-tokens 128] [--spec-policy fixed]
+        [--drafter none] [--ngram-assist 0]
 
 Greedy generation on the first dev prompts with the default model and drafter, timers wrapped
 around the engine's and the drafter's methods (nested: the drafter's parts are inside propose).

@@ -88,9 +88,11 @@ if [ "$STAGE" = train ]; then
   untar_xz /tmp/carry/data.tar.xz .
   D=/tmp/train-data && mkdir -p $D
   cp drafters/data/smollm2-135m/prompts-from-4096/* $D/
-  # every other shard (committed sampled responses, then what STAGE=gen wrote) numbered 80, 81, ...
+  # every other shard (responses to prompts 0-4095, committed sampled responses, then what
+  # STAGE=gen wrote) numbered 80, 81, ...
   n=80
-  for f in drafters/data/smollm2-135m/sampled-seed*/shard_*.safetensors /tmp/gen/data/shard_*.safetensors; do
+  for f in drafters/data/smollm2-135m/prompts-from-0/shard_*.safetensors \
+           drafters/data/smollm2-135m/sampled-seed*/shard_*.safetensors /tmp/gen/data/shard_*.safetensors; do
     [ -f "$f" ] || continue
     cp "$f" "$D/$(printf 'shard_%05d.safetensors' $n)"; n=$((n + 1))
   done

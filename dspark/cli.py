@@ -42,7 +42,7 @@ def ignored_flags(args: argparse.Namespace, policy: str, tree_by_method: bool = 
         out.append(f"--threshold only applies to --spec-policy threshold (this run uses {policy})")
     if args.tree_budget is not None and not args.tree and not tree_by_method:
         out.append("--tree-budget only applies with --tree")
-    if getattr(args, "ngram_assist", None) is not None and args.drafter in ("none", "ngram"):
+    if args.ngram_assist is not None and args.drafter in ("none", "ngram"):
         out.append(f"--ngram-assist only applies to a neural drafter (this run uses {args.drafter})")
     if args.drafter == "none" and (args.block_size is not None or args.tree or args.spec_policy is not None):
         out.append("--drafter none: --block-size, --tree and --spec-policy have no effect")

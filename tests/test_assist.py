@@ -29,8 +29,9 @@ def test_prior_learns_survival_per_position():
     assist = NgramAssist(2, 4, positions=4)
     assert assist.prior(4).tolist() == [0.5] * 4
     for accepted in (4, 4, 1):  # two chains fully accepted, one rejected at its second token
+        assist.clear()
         assist.look_up([_seq(0, [1, 2, 3, 1, 2])], [4])
-        assist.sent(0, 4)
+        assist.send(0, [1, 2, 3, 4], 4)
         assist.observe(0, accepted)
     assert assist.reached == [3, 3, 2, 2] and assist.accepted == [3, 2, 2, 2]
     assert assist.prior(4).tolist() == pytest.approx([4 / 5, 3 / 5, 3 / 4, 3 / 4])

@@ -25,9 +25,8 @@ class NgramAssist:
         self.accepted = [0] * positions  # ... and accepted there
 
     def look_up(self, seqs: list[Sequence], budgets: list[int]) -> dict[int, list[int]]:
-        """seq_id -> a looked-up chain, for the requests that have one. Requests under a grammar
-        keep the drafter, whose drafts the grammar steers."""
-        self.clear()
+        """seq_id -> a looked-up chain, for the requests that have one (after clear()). Requests
+        under a grammar keep the drafter, whose drafts the grammar steers."""
         for s, b in zip(seqs, budgets):
             if s.grammar is None:
                 chain = self.lookup.propose(s.all_ids, b, key=s.seq_id)
@@ -37,19 +36,21 @@ class NgramAssist:
         return self.looked
 
     def clear(self) -> None:
-        """A step without lookups (drafting paused, nothing to draft)."""
+        """Forget the last step's chains (every step starts here, drafting or not)."""
         self.looked, self.verified = {}, {}
 
     def prior(self, width: int) -> torch.Tensor:
         """[width] estimated chance that a looked-up token survives given the ones before it."""
         return torch.tensor([(a + 1) / (r + 2) for a, r in zip(self.accepted[:width], self.reached[:width])])
 
-    def sent(self, seq_id: int, n: int) -> None:
-        """Record that n looked-up tokens of seq_id go to verification this step."""
+    def send(self, seq_id: int, chain: list[int], n: int) -> list[int]:
+        """The first n tokens of seq_id's chain, recorded as going to verification this step."""
         self.verified[seq_id] = n
+        return chain[:n]
 
     def observe(self, seq_id: int, accepted: int) -> None:
-        """How many of seq_id's looked-up tokens the target accepted this step."""
+        """How many of seq_id's looked-up tokens the target accepted this step (a request that
+        sent none changes nothing)."""
         n = self.verified.get(seq_id, 0)
         for i in range(min(accepted + 1, n, len(self.reached))):
             self.reached[i] += 1

@@ -115,18 +115,17 @@ class NeuralSpecRunner(SpecRunner):
             self._skip_steps -= 1
             return {}
         t0 = time.perf_counter()
-        looked = self.assist.look_up(active, [self.draft_budget(s) for s in active]) if self.assist else {}
+        budgets = [self.draft_budget(s) for s in active]
+        looked = self.assist.look_up(active, budgets) if self.assist else {}
         neural = [s for s in active if s.seq_id not in looked]
         h = self._block_pass(neural) if neural else None
         if self.cfg.tree:  # looked-up requests verify their whole chain beside the others' trees
             out = self._propose_trees(neural, self.drafter.draft_logits(h), other_tokens,
                                       self.estimated_draft_seconds(len(neural))) if neural else {}
             for sid, chain in looked.items():
-                out[sid] = chain
-                self._proposed[sid] = len(chain)
-                self.assist.sent(sid, len(chain))
+                out[sid] = self._send_lookup(sid, chain, len(chain))
         else:
-            out = self._propose_chains(active, neural, h, looked, other_tokens)
+            out = self._propose_chains(active, budgets, neural, h, looked, other_tokens)
         if neural:
             self._record_pass(len(neural), time.perf_counter() - t0)
         return out
@@ -143,34 +142,35 @@ class NeuralSpecRunner(SpecRunner):
             out = self.block_forward(ids, pos, self.attn)
         return self.drafter.draft_hidden(out[0].view(R, B, -1))
 
-    def _propose_chains(self, active: list[Sequence], neural: list[Sequence], h: torch.Tensor | None,
-                        looked: dict[int, list[int]], other_tokens: int) -> dict[int, list[int]]:
+    def _propose_chains(self, active: list[Sequence], budgets: list[int], neural: list[Sequence],
+                        h: torch.Tensor | None, looked: dict[int, list[int]],
+                        other_tokens: int) -> dict[int, list[int]]:
         """Drafted chains for `neural`, looked-up ones for the rest, cut to what the policy admits
         (the confidence head's estimates for drafts, the assist's running rates for lookups)."""
-        nd = self.drafter.config.num_drafts
         drafted, conf, stops = self._draft_chains(neural, h) if neural else ([], None, [])
-        by_seq = {s.seq_id: r for r, s in enumerate(neural)}
-        chains, budgets, rows = [], [], []
-        prior = self.assist.prior(nd) if looked else None
-        for s in active:
-            r = by_seq.get(s.seq_id)
-            chain = looked[s.seq_id] if r is None else drafted[r]
-            chains.append(chain)
-            budgets.append(min(self.draft_budget(s), len(chain)) if r is None else self.draft_budget(s))
-            rows.append(prior if r is None else conf[r])
         draft_seconds = self.estimated_draft_seconds(len(neural)) if neural else 0.0
-        lengths = self.policy.choose(budgets, torch.stack(rows), other_tokens, draft_seconds)
-        out = {}
-        for s, chain, n in zip(active, chains, lengths):
-            r = by_seq.get(s.seq_id)
-            if r is None:
-                self._proposed[s.seq_id] = len(chain)
-                self.assist.sent(s.seq_id, n)
-                out[s.seq_id] = chain[:n]
-                continue
-            self._proposed[s.seq_id] = nd
-            out[s.seq_id] = chain[:n if stops[r] is None else min(n, stops[r])]
-        return out
+        if not looked:  # every request drafted: the rows are already in active's order
+            lengths = self.policy.choose(budgets, conf, other_tokens, draft_seconds)
+            return {s.seq_id: self._send_draft(s.seq_id, d, n, stop)
+                    for s, d, n, stop in zip(active, drafted, lengths, stops)}
+        by_seq = {s.seq_id: r for r, s in enumerate(neural)}
+        rows = [by_seq.get(s.seq_id) for s in active]  # None: looked up
+        prior = self.assist.prior(self.drafter.config.num_drafts)
+        budgets = [b if r is not None else min(b, len(looked[s.seq_id])) for s, b, r in zip(active, budgets, rows)]
+        conf_rows = torch.stack([prior if r is None else conf[r] for r in rows])
+        lengths = self.policy.choose(budgets, conf_rows, other_tokens, draft_seconds)
+        return {s.seq_id: self._send_lookup(s.seq_id, looked[s.seq_id], n) if r is None
+                else self._send_draft(s.seq_id, drafted[r], n, stops[r]) for s, r, n in zip(active, rows, lengths)}
+
+    def _send_draft(self, seq_id: int, drafts: list[int], n: int, stop: int | None) -> list[int]:
+        """The first n drafts (fewer where a grammar stops them), counted as proposed in full."""
+        self._proposed[seq_id] = self.drafter.config.num_drafts
+        return drafts[:n if stop is None else min(n, stop)]
+
+    def _send_lookup(self, seq_id: int, chain: list[int], n: int) -> list[int]:
+        """The first n tokens of a looked-up chain, counted as proposed in full."""
+        self._proposed[seq_id] = len(chain)
+        return self.assist.send(seq_id, chain, n)
 
     def _draft_chains(self, active: list[Sequence], h: torch.Tensor) -> tuple[list[list[int]], torch.Tensor, list]:
         """Walk the Markov head over the draft slots h [R, num_drafts, H]: per request its drafts,
@@ -278,8 +278,7 @@ class NeuralSpecRunner(SpecRunner):
     def commit(self, ctx_rows, result) -> None:
         if self.assist is not None and self.assist.verified:
             for seq, _, kept in ctx_rows:
-                if seq.seq_id in self.assist.verified:
-                    self.assist.observe(seq.seq_id, len(kept) - 1)
+                self.assist.observe(seq.seq_id, len(kept) - 1)
         self.context.add(ctx_rows, result.feats, flush=self._skip_steps == 0)
 
     def looked_up(self, seq: Sequence) -> bool:

@@ -11,19 +11,18 @@ class _Index:
     """Latest start of every n-gram of one request's tokens, extended as they grow (tokens only
     ever get appended), so a step costs the new tokens, not a scan of the whole context."""
 
-    __slots__ = ("last", "upto")
+    __slots__ = ("last", "size")
 
     def __init__(self) -> None:
         self.last: dict[tuple[int, ...], int] = {}
-        self.upto: dict[int, int] = {}  # n -> n-grams starting before this are in `last`
+        self.size = 0  # tokens seen by the last extend: its n-grams start before size - n
 
     def extend(self, tokens: list[int], min_n: int, max_n: int) -> None:
         L = len(tokens)
         for n in range(min_n, max_n + 1):
-            start = self.upto.get(n, 0)
-            for i in range(start, L - n):  # an earlier occurrence starts at most at L - n - 1
+            for i in range(max(0, self.size - n), L - n):  # an earlier occurrence starts by L - n - 1
                 self.last[tuple(tokens[i:i + n])] = i
-            self.upto[n] = max(start, L - n)
+        self.size = L
 
 
 @dataclass

@@ -17,6 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-assist", type=int, default=None,
                    help="neural drafters: verify the continuation of an earlier occurrence of a request's "
                         "last N+ tokens instead of a drafted block (default: 2; 0: never)")
+    p.add_argument("--ngram-assist-max-len", type=int, default=None,
+                   help="longest looked-up chain: a chain starts a block long and doubles while "
+                        "accepted whole (default: 32; an explicit --block-size caps it)")
     p.add_argument("--spec-policy", default=None, choices=["fixed", "threshold", "load-aware"])
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence cut for --spec-policy threshold (default: 0.5)")
@@ -42,8 +45,11 @@ def ignored_flags(args: argparse.Namespace, policy: str, tree_by_method: bool = 
         out.append(f"--threshold only applies to --spec-policy threshold (this run uses {policy})")
     if args.tree_budget is not None and not args.tree and not tree_by_method:
         out.append("--tree-budget only applies with --tree")
-    if args.ngram_assist is not None and args.drafter in ("none", "ngram"):
-        out.append(f"--ngram-assist only applies to a neural drafter (this run uses {args.drafter})")
+    for flag in ("ngram_assist", "ngram_assist_max_len"):
+        if getattr(args, flag) is not None and args.drafter in ("none", "ngram"):
+            out.append(f"--{flag.replace('_', '-')} only applies to a neural drafter (this run uses {args.drafter})")
+    if args.ngram_assist == 0 and args.ngram_assist_max_len is not None:
+        out.append("--ngram-assist-max-len has no effect with --ngram-assist 0")
     if args.drafter == "none" and (args.block_size is not None or args.tree or args.spec_policy is not None):
         out.append("--drafter none: --block-size, --tree and --spec-policy have no effect")
     return out
@@ -59,7 +65,8 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
     for note in ignored_flags(args, policy, tree_by_method):
         print(f"warning: {note}", file=sys.stderr)
     given = {k: v for k, v in (("tree_budget", args.tree_budget), ("threshold", args.threshold),
-                               ("ngram_assist", args.ngram_assist)) if v is not None}
+                               ("ngram_assist", args.ngram_assist),
+                               ("ngram_assist_max_len", args.ngram_assist_max_len)) if v is not None}
     spec = SpecConfig(drafter=args.drafter, block_size=args.block_size, tree=args.tree, policy=policy, **given)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,

@@ -189,6 +189,7 @@ class SpecConfig:
     # neural drafters: a request whose last ngram_assist (up to ngram_max) tokens occurred earlier
     # in it verifies their continuation instead of a drafted block (0: never)
     ngram_assist: int = 2
+    ngram_assist_max_len: int = 32  # a looked-up chain's longest (it grows while accepted whole)
 
     def validate(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 32:
@@ -197,6 +198,8 @@ class SpecConfig:
             raise ValueError(f"unknown spec policy {self.policy!r}: choose fixed, threshold or load-aware")
         if not _is_token_id(self.ngram_assist):  # an integer >= 0
             raise ValueError(f"ngram_assist must be an integer >= 0, got {self.ngram_assist!r}")
+        if not _is_token_id(self.ngram_assist_max_len) or not 1 <= self.ngram_assist_max_len <= 64:
+            raise ValueError(f"ngram_assist_max_len must be an integer in [1, 64], got {self.ngram_assist_max_len!r}")
         if self.tree_budget < 1 or self.tree_topk < 1:
             raise ValueError("tree_budget and tree_topk must be >= 1")
         if self.drafter not in (None, "none", "ngram") and not os.path.isdir(self.drafter):

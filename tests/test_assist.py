@@ -16,17 +16,18 @@ def _seq(seq_id: int, ids: list[int], grammar=None) -> SimpleNamespace:
 
 
 def test_looks_up_only_suffix_matches_of_the_minimum_length():
-    assist = NgramAssist(min_match=2, max_match=4, positions=8)
+    assist = NgramAssist(min_match=2, max_match=4, block=8, max_len=8)
     seqs = [_seq(0, [5, 6, 7, 8, 9, 5, 6]),  # "5 6" occurred: its continuation 7 8 9 5 6
             _seq(1, [5, 6, 7, 8, 9, 1, 6]),  # only "6" occurred before: too short a match
             _seq(2, [5, 6, 7, 8, 9, 5, 6], grammar=object())]  # a grammar keeps the drafter
     got = assist.look_up(seqs, [3, 8, 8])
     assert got == {0: [7, 8, 9]} and assist.looked is got  # cut to its budget
-    assert NgramAssist(1, 4, 8).look_up(seqs[1:2], [8]) == {1: [7, 8, 9, 1, 6]}
+    # "6" at 1: its continuation reaches the end and goes on copying itself (period 5)
+    assert NgramAssist(1, 4, 8, 8).look_up(seqs[1:2], [8]) == {1: [7, 8, 9, 1, 6, 7, 8, 9]}
 
 
 def test_prior_learns_survival_per_position():
-    assist = NgramAssist(2, 4, positions=4)
+    assist = NgramAssist(2, 4, block=4, max_len=4)
     assert assist.prior(4).tolist() == [0.5] * 4
     for accepted in (4, 4, 1):  # two chains fully accepted, one rejected at its second token
         assist.clear()
@@ -39,18 +40,37 @@ def test_prior_learns_survival_per_position():
     assert assist.reached == [3, 3, 2, 2]
 
 
+def test_chains_grow_while_accepted_whole():
+    assist = NgramAssist(2, 4, block=4, max_len=16)
+    spans = []
+    for accepted in (4, 8, 16, 16, 5, 3):  # whole, whole, whole, whole, cut, cut
+        spans.append(assist.span(0))
+        assist.clear()
+        assist.send(0, list(range(spans[-1])), spans[-1])
+        assist.observe(0, accepted)
+    assert spans == [4, 8, 16, 16, 16, 4]  # doubles up to max_len; a rejection starts again
+    assert assist.span(0) == 4 and assist.span(1) == 4
+    assert len(assist.prior(20)) == 20  # positions never seen yet: 0.5
+
+
 def test_negative_setting_is_refused():
     with pytest.raises(ValueError, match="ngram_assist must be an integer >= 0"):
         SpecConfig(ngram_assist=-1).validate()
+    with pytest.raises(ValueError, match=r"ngram_assist_max_len must be an integer in \[1, 64\]"):
+        SpecConfig(ngram_assist_max_len=0).validate()
 
 
 def _scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
-    """The definition: the continuation of the latest earlier occurrence of the longest suffix."""
+    """The definition: the continuation of the latest earlier occurrence of the longest suffix,
+    read on past the end as if the tokens repeated from there."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         for i in range(L - n - 1, -1, -1):
             if tokens[i:i + n] == tokens[L - n:]:
-                return tokens[i + n:i + n + k]
+                stream = list(tokens)
+                while len(stream) < i + n + k:
+                    stream.append(stream[len(stream) - (L - i - n)])
+                return stream[i + n:i + n + k]
     return []
 
 
@@ -70,5 +90,6 @@ def test_incremental_index_equals_a_scan(min_n, max_n):
             assert drafter.propose(tokens, 8, key=key) == _scan(tokens, 8, max_n, min_n), (key, len(tokens))
             tokens += [rng.randrange(5 + 3 * key) for _ in range(rng.randrange(1, 10))]
     assert drafter.propose([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # no key: a one-off index
+    assert drafter.propose([1, 2, 3, 4, 1, 2, 3], 7) == [4, 1, 2, 3, 4, 1, 2]  # a loop repeats
     drafter.forget_all_but({5})
     assert len(drafter._indexes) == 6  # few enough to keep

@@ -150,9 +150,11 @@ def test_stop_token_inside_block(folders, prompts, plain, drafter):
 
 @pytest.mark.parametrize("drafter", ["dspark", "ngram"])
 def test_chunked_prefill_and_preemption(folders, prompts, plain, drafter):
-    """A small token budget (prefill chunks beside decode chains) and a small pool (preemptions)."""
+    """A small token budget (prefill chunks beside decode chains) and a small pool (preemptions;
+    without the n-gram assist, whose long chains on this looping target finish the requests
+    before the pool runs out)."""
     engine = make_engine(folders["target"], _drafter(folders, drafter), kv_cache_tokens=16 * 14,
-                         max_num_batched_tokens=40)
+                         max_num_batched_tokens=40, ngram_assist=0)
     outs = run_requests(engine, [(p, GREEDY, None) for p in prompts])
     _assert_same(outs, plain([(p, GREEDY) for p in prompts]))
     assert engine.num_preemptions > 0
@@ -325,10 +327,11 @@ def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_p
     """Past one lap of the target's 24-token cycle, requests repeat themselves: their looked-up chains
     replace the drafter's blocks (the drafter pass skipped when every request has one), outputs stay
     plain decoding's, sampled requests riding along, and looked-up chains are accepted further than
-    drafted ones."""
+    drafted ones, and chains accepted whole grow past the block to ngram_assist_max_len."""
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
-    engine = make_engine(folders["target"], folders["dspark"], policy=policy, tree=tree, tree_budget=6)
-    spec, looked, passes = engine.spec, [], []
+    engine = make_engine(folders["target"], folders["dspark"], policy=policy, tree=tree, tree_budget=6,
+                         ngram_assist_max_len=20)
+    spec, looked, passes, longest = engine.spec, [], [], [0]
     real = spec.propose
 
     def recording(seqs, other_tokens=0):
@@ -336,6 +339,7 @@ def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_p
         out = real(seqs, other_tokens)
         looked.append(len(spec.assist.looked))
         passes.append(spec.num_draft_passes - before)
+        longest[0] = max([longest[0]] + list(spec.assist.verified.values()))
         return out
 
     monkeypatch.setattr(spec, "propose", recording)
@@ -348,3 +352,5 @@ def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_p
     assert 0 < st.lookup_steps <= sum(looked) and 0 < st.lookup_accepted <= st.accepted
     assert sum(o.stats.lookup_steps for o in outs) <= st.lookup_steps
     assert sum(spec.assist.reached) > 0 and spec.assist.prior(4).tolist() != [0.5] * 4
+    if policy == "fixed":  # load-aware admits what pays at this model's measured costs
+        assert spec.block_size < longest[0] <= 20

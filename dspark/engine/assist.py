@@ -15,24 +15,37 @@ from dspark.models.drafters.ngram import NgramDrafter
 
 class NgramAssist:
     """Looks up chains for requests with a suffix match of at least `min_match` tokens (up to
-    `max_match`), and learns how far such chains survive, per block position, for the policies."""
+    `max_match`), and learns how far such chains survive, per position, for the policies.
 
-    def __init__(self, min_match: int, max_match: int, positions: int):
+    A chain starts a block long; each one accepted whole doubles the next (up to `max_len`), and
+    any rejection brings it back: copying runs long once it starts (a quoted passage, a loop), and
+    a verification pass costs little more for a few more tokens."""
+
+    def __init__(self, min_match: int, max_match: int, block: int, max_len: int):
         self.lookup = NgramDrafter(max_n=max_match, min_n=min_match)
+        self.block, self.max_len = block, max(block, max_len)
         self.looked: dict[int, list[int]] = {}  # seq_id -> its looked-up chain, this step
         self.verified: dict[int, int] = {}  # seq_id -> looked-up tokens verified this step
-        self.reached = [0] * positions  # steps whose chain was verified up to this position
-        self.accepted = [0] * positions  # ... and accepted there
+        self.spans: dict[int, int] = {}  # seq_id -> length of its next chain, where not `block`
+        self.reached = [0] * self.max_len  # steps whose chain was verified up to this position
+        self.accepted = [0] * self.max_len  # ... and accepted there
+
+    def span(self, seq_id: int) -> int:
+        """Most tokens seq_id's next looked-up chain may hold."""
+        return self.spans.get(seq_id, self.block)
 
     def look_up(self, seqs: list[Sequence], budgets: list[int]) -> dict[int, list[int]]:
-        """seq_id -> a looked-up chain, for the requests that have one (after clear()). Requests
-        under a grammar keep the drafter, whose drafts the grammar steers."""
+        """seq_id -> a looked-up chain of at most its budget, for the requests that have one
+        (after clear()). Requests under a grammar keep the drafter, whose drafts it steers."""
         for s, b in zip(seqs, budgets):
             if s.grammar is None:
                 chain = self.lookup.propose(s.all_ids, b, key=s.seq_id)
                 if chain:
                     self.looked[s.seq_id] = chain
-        self.lookup.forget_all_but({s.seq_id for s in seqs})
+        live = {s.seq_id for s in seqs}
+        self.lookup.forget_all_but(live)
+        if len(self.spans) > 2 * len(live) + 16:
+            self.spans = {k: v for k, v in self.spans.items() if k in live}
         return self.looked
 
     def clear(self) -> None:
@@ -41,7 +54,8 @@ class NgramAssist:
 
     def prior(self, width: int) -> torch.Tensor:
         """[width] estimated chance that a looked-up token survives given the ones before it."""
-        return torch.tensor([(a + 1) / (r + 2) for a, r in zip(self.accepted[:width], self.reached[:width])])
+        rates = [(a + 1) / (r + 2) for a, r in zip(self.accepted[:width], self.reached[:width])]
+        return torch.tensor(rates + [0.5] * (width - len(rates)))
 
     def send(self, seq_id: int, chain: list[int], n: int) -> list[int]:
         """The first n tokens of seq_id's chain, recorded as going to verification this step."""
@@ -55,3 +69,7 @@ class NgramAssist:
         for i in range(min(accepted + 1, n, len(self.reached))):
             self.reached[i] += 1
             self.accepted[i] += i < accepted
+        if n and accepted >= n:
+            self.spans[seq_id] = min(self.max_len, max(self.block, 2 * n))
+        elif n:
+            self.spans.pop(seq_id, None)

@@ -36,8 +36,9 @@ class NeuralSpecRunner(SpecRunner):
         if cfg.block_size is not None and cfg.block_size > dc.num_drafts:
             raise ValueError(f"block size {cfg.block_size} exceeds the {dc.num_drafts} tokens this drafter emits")
         self.block_size = cfg.block_size or dc.num_drafts
-        self.assist = NgramAssist(cfg.ngram_assist, max(cfg.ngram_max, cfg.ngram_assist), dc.num_drafts) \
-            if cfg.ngram_assist else None
+        # a block size the user set caps looked-up chains too; the drafter's own lets them grow
+        self.assist = NgramAssist(cfg.ngram_assist, max(cfg.ngram_max, cfg.ngram_assist), self.block_size,
+                                  cfg.block_size or cfg.ngram_assist_max_len) if cfg.ngram_assist else None
         self.capture_layers = tuple(dc.target_layer_ids)
         pool = engine.pool
         self.kv = KVCache(dc.num_hidden_layers, engine.kv_pages, pool.page_size, dc.num_key_value_heads,
@@ -69,7 +70,13 @@ class NeuralSpecRunner(SpecRunner):
         if not budget:
             return 1
         nodes = self.cfg.tree_budget if self.cfg.tree else budget
+        if self.assist is not None:  # room for a looked-up chain longer than a block
+            nodes = max(nodes, self.lookup_budget(seq))
         return max(1 + nodes, self.drafter.config.block_size)
+
+    def lookup_budget(self, seq: Sequence) -> int:
+        """Most looked-up tokens seq may verify this step."""
+        return self.draft_budget(seq, self.assist.span(seq.seq_id))
 
     def context_headroom(self) -> int:
         return max(self.cfg.tree_budget if self.cfg.tree else 0, self.drafter.config.block_size)
@@ -116,7 +123,7 @@ class NeuralSpecRunner(SpecRunner):
             return {}
         t0 = time.perf_counter()
         budgets = [self.draft_budget(s) for s in active]
-        looked = self.assist.look_up(active, budgets) if self.assist else {}
+        looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
         neural = [s for s in active if s.seq_id not in looked]
         h = self._block_pass(neural) if neural else None
         if self.cfg.tree:  # looked-up requests verify their whole chain beside the others' trees
@@ -155,9 +162,11 @@ class NeuralSpecRunner(SpecRunner):
                     for s, d, n, stop in zip(active, drafted, lengths, stops)}
         by_seq = {s.seq_id: r for r, s in enumerate(neural)}
         rows = [by_seq.get(s.seq_id) for s in active]  # None: looked up
-        prior = self.assist.prior(self.drafter.config.num_drafts)
-        budgets = [b if r is not None else min(b, len(looked[s.seq_id])) for s, b, r in zip(active, budgets, rows)]
-        conf_rows = torch.stack([prior if r is None else conf[r] for r in rows])
+        width = max([len(c) for c in looked.values()] + [self.drafter.config.num_drafts])
+        prior = self.assist.prior(width)
+        budgets = [b if r is not None else len(looked[s.seq_id]) for s, b, r in zip(active, budgets, rows)]
+        pad = width - self.drafter.config.num_drafts  # drafted rows: zeros past their block
+        conf_rows = torch.stack([prior if r is None else torch.nn.functional.pad(conf[r], (0, pad)) for r in rows])
         lengths = self.policy.choose(budgets, conf_rows, other_tokens, draft_seconds)
         return {s.seq_id: self._send_lookup(s.seq_id, looked[s.seq_id], n) if r is None
                 else self._send_draft(s.seq_id, drafted[r], n, stops[r]) for s, r, n in zip(active, rows, lengths)}

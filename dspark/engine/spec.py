@@ -25,11 +25,12 @@ class SpecRunner:
 
         return make_spec_runner(cfg, engine)
 
-    def draft_budget(self, seq: Sequence) -> int:
-        """Most draft tokens worth verifying for seq: never past max_tokens or the context."""
+    def draft_budget(self, seq: Sequence, cap: int | None = None) -> int:
+        """Most draft tokens worth verifying for seq (cap: instead of the block size, unless the
+        request set its own): never past max_tokens or the context."""
         if not seq.spec_enabled or seq.plain_step:
             return 0
-        block = seq.block_size or self.block_size
+        block = seq.block_size or cap or self.block_size
         left = seq.params.max_tokens - len(seq.output_ids) - 1
         room = self.engine.max_model_len - seq.num_cached - 2
         return max(0, min(block, left, room))

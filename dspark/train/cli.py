@@ -107,6 +107,8 @@ def add_train_parsers(sub) -> None:
     e.add_argument("--ngram-assist", type=int, default=None,
                    help="look up chains after suffix matches of this many tokens (0: the drafter alone; "
                         "default: the engine's, 2)")
+    e.add_argument("--ngram-assist-max-len", type=int, default=None,
+                   help="longest looked-up chain (default: the engine's, 32)")
     e.add_argument("--model", default=None)
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto")
@@ -265,13 +267,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dspark.train.evaluate import evaluate
 
     check_at_least(args, num_prompts=1, per_category=1, max_tokens=1, block_size=1, tree_budget=1, max_num_seqs=1,
-                   ngram_assist=0)
+                   ngram_assist=0, ngram_assist_max_len=1)
     SamplingParams(temperature=args.temperature)  # validated before the model loads
     check_output_path(args.out)
     res = evaluate(args.drafter, args.prompts, num_prompts=args.num_prompts, per_category=args.per_category,
                    max_tokens=args.max_tokens, temperature=args.temperature, model=args.model,
                    device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                   block_size=args.block_size, tree_budget=args.tree_budget, ngram_assist=args.ngram_assist)
+                   block_size=args.block_size, tree_budget=args.tree_budget, ngram_assist=args.ngram_assist,
+                   ngram_assist_max_len=args.ngram_assist_max_len)
     text = json.dumps(res, indent=2)
     print(text)
     if args.out:

@@ -48,7 +48,8 @@ class _StepRecorder:
 def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, per_category: int | None = None,
              max_tokens: int = 256, temperature: float = 0.0, model: str | None = None, device: str = "auto",
              dtype: str = "auto", max_num_seqs: int = 16, block_size: int | None = None, seed: int = 0,
-             thresholds=THRESHOLDS, tree_budget: int | None = None, ngram_assist: int | None = None) -> dict:
+             thresholds=THRESHOLDS, tree_budget: int | None = None, ngram_assist: int | None = None,
+             ngram_assist_max_len: int | None = None) -> dict:
     """Greedy (or sampled) generation for every prompt with `drafter`; the JSON report. With
     tree_budget the target verifies draft trees of that many nodes instead of chains (the
     confidence savings then stay empty: a tree is pruned by joint draft probability)."""
@@ -70,6 +71,8 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
     spec = {"tree": True, "tree_budget": tree_budget} if tree_budget is not None else {}
     if ngram_assist is not None:
         spec["ngram_assist"] = ngram_assist
+    if ngram_assist_max_len is not None:
+        spec["ngram_assist_max_len"] = ngram_assist_max_len
     llm = LLM(model=model, drafter=drafter, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
               block_size=block_size, **spec)
     eng = llm.engine
@@ -126,6 +129,7 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
     result = {
         "drafter": drafter, "prompts": len(prompts), "temperature": temperature, "max_tokens": max_tokens,
         "tree_budget": tree_budget, "ngram_assist": llm.engine.config.spec.ngram_assist,
+        "ngram_assist_max_len": llm.engine.config.spec.ngram_assist_max_len,
         "tau": round(sum(v["generated"] for v in cat.values()) / max(1, tot_steps), 3),
         "tau_per_category": {k: v["tau"] for k, v in per_cat.items()},
         # the n-gram assist's part: steps that verified a looked-up chain, and the tokens kept from them

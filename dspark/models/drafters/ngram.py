@@ -25,6 +25,16 @@ class _Index:
         self.size = L
 
 
+def _continue(tokens: list[int], start: int, k: int) -> list[int]:
+    """k tokens copied from `start` on; past the end the copy reads its own output, so a loop of
+    period L - start repeats instead of stopping at the last token."""
+    out = tokens[start:start + k]
+    period = len(tokens) - start
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out
+
+
 @dataclass
 class NgramDrafter:
     """Matches the longest suffix (max_n down to min_n tokens) against the request's own tokens.
@@ -48,7 +58,7 @@ class NgramDrafter:
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             i = index.last.get(tuple(tokens[L - n:]))
             if i is not None:
-                return tokens[i + n:i + n + k]
+                return _continue(tokens, i + n, k)
         return []
 
     def forget_all_but(self, keys: set[int]) -> None:

@@ -50,7 +50,8 @@ def test_chains_grow_while_accepted_whole():
         assist.observe(0, accepted)
     assert spans == [4, 8, 16, 16, 16, 4]  # doubles up to max_len; a rejection starts again
     assert assist.span(0) == 4 and assist.span(1) == 4
-    assert len(assist.prior(20)) == 20  # positions never seen yet: 0.5
+    prior = assist.prior(20)  # positions no chain reached carry the last reached one's rate
+    assert len(prior) == 20 and prior[16:].tolist() == [prior[15].item()] * 4
 
 
 def test_negative_setting_is_refused():

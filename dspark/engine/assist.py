@@ -53,9 +53,14 @@ class NgramAssist:
         self.looked, self.verified = {}, {}
 
     def prior(self, width: int) -> torch.Tensor:
-        """[width] estimated chance that a looked-up token survives given the ones before it."""
-        rates = [(a + 1) / (r + 2) for a, r in zip(self.accepted[:width], self.reached[:width])]
-        return torch.tensor(rates + [0.5] * (width - len(rates)))
+        """[width] estimated chance that a looked-up token survives given the ones before it. A
+        position no chain has reached yet takes the one before's (chains grow only after whole
+        acceptances, so 0.5 there would keep a cautious policy from ever trying them)."""
+        rates: list[float] = []
+        for i in range(width):
+            r = self.reached[i] if i < len(self.reached) else 0
+            rates.append((self.accepted[i] + 1) / (r + 2) if r else rates[-1] if rates else 0.5)
+        return torch.tensor(rates)
 
     def send(self, seq_id: int, chain: list[int], n: int) -> list[int]:
         """The first n tokens of seq_id's chain, recorded as going to verification this step."""

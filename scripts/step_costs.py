@@ -2,10 +2,11 @@
 (block forward, draft logits, Markov steps) and its context write, per step and per call.
 
     .venv/bin/python scripts/step_costs.py [--num-prompts 4] [--max-tokens 128] [--spec-policy fixed]
-        [--drafter none] [--ngram-assist 0]
+        [--drafter none] [--ngram-assist 0] [--ngram-assist-max-len 8] [--category tools,code]
 
-Greedy generation on the first dev prompts with the default model and drafter, timers wrapped
-around the engine's and the drafter's methods (nested: the drafter's parts are inside propose).
+Greedy generation on the first dev prompts (of the given categories) with the default model and
+drafter, timers wrapped around the engine's and the drafter's methods (nested: the drafter's parts
+are inside propose); then the target forward's median time by tokens in the pass.
 """
 
 from __future__ import annotations
@@ -47,24 +48,42 @@ def main() -> None:
     ap.add_argument("--prompts", default=str(DEV))
     ap.add_argument("--drafter", default=None, help="drafter folder, 'ngram' or 'none' (default: the shipped one)")
     ap.add_argument("--ngram-assist", type=int, default=2, help="0: the drafter alone")
+    ap.add_argument("--ngram-assist-max-len", type=int, default=32)
+    ap.add_argument("--category", default=None, help="comma-separated dev categories (default: all)")
     args = ap.parse_args()
-    llm = LLM(drafter=args.drafter, policy=args.spec_policy, ngram_assist=args.ngram_assist)
+    llm = LLM(drafter=args.drafter, policy=args.spec_policy, ngram_assist=args.ngram_assist,
+              ngram_assist_max_len=args.ngram_assist_max_len)
     engine, spec = llm.engine, llm.engine.spec
     totals: dict[str, float] = collections.defaultdict(float)
     counts: collections.Counter = collections.Counter()
     timed(totals, counts, engine, "step", "step")
     timed(totals, counts, engine.runner, "forward", "target forward")
+    by_size = collections.defaultdict(list)  # tokens in a target pass -> its wall times
+    forward = engine.runner.forward
+
+    def sized(items, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return forward(items, *args, **kwargs)
+        finally:
+            by_size[sum(len(ids) for _, ids in items)].append(time.perf_counter() - t)
+
+    engine.runner.forward = sized
     if spec.name == "dspark":
         for name, label in (("propose", "propose"), ("block_forward", "  block forward"), ("commit", "commit")):
             timed(totals, counts, spec, name, label)
         for name, label in (("draft_logits", "  draft logits"), ("step_logits", "  Markov steps"),
                             ("confidence", "  confidence"), ("write_context", "  context K/V write")):
             timed(totals, counts, spec.drafter, name, label)
-    prompts = [json.loads(line)["prompt"] for line in open(args.prompts, encoding="utf-8")][:args.num_prompts]
+    rows = [json.loads(line) for line in open(args.prompts, encoding="utf-8")]
+    if args.category:
+        rows = [r for r in rows if r.get("category") in args.category.split(",")]
+    prompts = [r["prompt"] for r in rows][:args.num_prompts]
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     llm.generate([[{"role": "user", "content": prompts[0]}]], SamplingParams(max_tokens=8))  # warm-up
     totals.clear()
     counts.clear()
+    by_size.clear()
     tokens = 0
     for p in prompts:
         tokens += len(llm.generate([[{"role": "user", "content": p}]], greedy)[0].token_ids)
@@ -75,6 +94,11 @@ def main() -> None:
         per_step = 1000 * totals[label] / steps
         per_call = 1000 * totals[label] / counts[label]
         print(f"{label:<22} {per_step:7.2f} ms/step  {counts[label]:6d} calls  {per_call:7.3f} ms/call")
+    print("target forward by tokens in the pass (decode steps only: prefill passes are larger):")
+    for n in sorted(by_size):
+        if n <= 64:
+            times = sorted(by_size[n])
+            print(f"  {n:3d} tokens {1000 * times[len(times) // 2]:7.2f} ms median of {len(times)}")
 
 
 if __name__ == "__main__":

@@ -319,7 +319,7 @@ def test_smollm2_random_drafter(tmp_path):
     assert engine.spec_stats.verified > 0
 
 
-ASSIST = [("fixed", False), ("load-aware", False), ("fixed", True)]
+ASSIST = [("fixed", False), ("load-aware", False), ("fixed", True), ("load-aware", True)]
 
 
 @pytest.mark.parametrize("policy,tree", ASSIST, ids=[f"{p}{'-tree' if t else ''}" for p, t in ASSIST])

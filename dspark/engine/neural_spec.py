@@ -126,11 +126,9 @@ class NeuralSpecRunner(SpecRunner):
         looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
         neural = [s for s in active if s.seq_id not in looked]
         h = self._block_pass(neural) if neural else None
-        if self.cfg.tree:  # looked-up requests verify their whole chain beside the others' trees
-            out = self._propose_trees(neural, self.drafter.draft_logits(h), other_tokens,
-                                      self.estimated_draft_seconds(len(neural))) if neural else {}
-            for sid, chain in looked.items():
-                out[sid] = self._send_lookup(sid, chain, len(chain))
+        if self.cfg.tree:  # looked-up requests verify a chain beside the others' trees
+            out = self._propose_trees(neural, self.drafter.draft_logits(h) if neural else None, looked,
+                                      other_tokens, self.estimated_draft_seconds(len(neural)) if neural else 0.0)
         else:
             out = self._propose_chains(active, budgets, neural, h, looked, other_tokens)
         if neural:
@@ -237,23 +235,22 @@ class NeuralSpecRunner(SpecRunner):
         """The drafter's block forward -> (final hidden,): run eagerly, or captured by a GraphPool."""
         return (self.drafter.block_hidden(ids, pos, attn, self.kv),)
 
-    def _propose_trees(self, active: list[Sequence], base: torch.Tensor, other_tokens: int,
-                       draft_seconds: float) -> dict[int, DraftTree | list[int]]:
-        """base: [R, num_drafts, draft vocab] logits.
+    def _propose_trees(self, active: list[Sequence], base: torch.Tensor | None, looked: dict[int, list[int]],
+                       other_tokens: int, draft_seconds: float) -> dict[int, DraftTree | list[int]]:
+        """base: [R, num_drafts, draft vocab] logits of `active` (None when it is empty).
         Top-k children per node through the Markov head, pruned to the node budget, then to
-        what the policy admits (load-aware: by joint draft probability, like a chain's survival).
-        Children are tried as one-hot proposals, so no q is kept."""
-        anchors = torch.tensor([s.output_ids[-1] for s in active], device=base.device)
-        depth = [self.draft_budget(s) for s in active]
-        grammars = [s.grammar for s in active]
-        constraint = TreeConstraint(grammars, self.engine.model_config.vocab_size, self.drafter.draft_to_target) \
-            if any(g is not None for g in grammars) else None
-        trees = build_trees(base[:, :max(depth)], anchors, self.drafter.markov_head,
-                            [self.cfg.tree_budget] * len(active), depth, self.cfg.tree_topk,
-                            vocab=self.drafter.draft_to_target, constraint=constraint)
-        sizes = self.policy.choose_nodes([[t.scores[i] for i in t.ranked()] for t in trees], other_tokens,
-                                         draft_seconds)
-        out: dict[int, DraftTree | list[int]] = {}
+        what the policy admits (load-aware: by joint draft probability, like a chain's survival;
+        the looked-up chains compete for the same pass by their running survival). Children are
+        tried as one-hot proposals, so no q is kept."""
+        trees = self._build_trees(active, base) if active else []
+        chains = list(looked.items())
+        survival = [[t.scores[i] for i in t.ranked()] for t in trees]
+        if chains:
+            alive = self.assist.prior(max(len(c) for _, c in chains)).cumprod(0).tolist()
+            survival += [alive[:len(c)] for _, c in chains]
+        sizes = self.policy.choose_nodes(survival, other_tokens, draft_seconds)
+        out: dict[int, DraftTree | list[int]] = {sid: self._send_lookup(sid, chain, n)
+                                                 for (sid, chain), n in zip(chains, sizes[len(trees):])}
         for s, t, n in zip(active, trees, sizes):
             self._proposed[s.seq_id] = self.cfg.tree_budget
             if n == len(t) and n:  # the whole tree (fixed): as built, no re-ranking
@@ -261,6 +258,17 @@ class NeuralSpecRunner(SpecRunner):
             else:  # pruned to the admitted nodes; none admitted: verify the anchor alone
                 out[s.seq_id] = t.top(n) if n else []
         return out
+
+    def _build_trees(self, active: list[Sequence], base: torch.Tensor) -> list[DraftTree]:
+        """Each request's draft tree, at most its draft budget deep, under its grammar if any."""
+        anchors = torch.tensor([s.output_ids[-1] for s in active], device=base.device)
+        depth = [self.draft_budget(s) for s in active]
+        grammars = [s.grammar for s in active]
+        constraint = TreeConstraint(grammars, self.engine.model_config.vocab_size, self.drafter.draft_to_target) \
+            if any(g is not None for g in grammars) else None
+        return build_trees(base[:, :max(depth)], anchors, self.drafter.markov_head,
+                           [self.cfg.tree_budget] * len(active), depth, self.cfg.tree_topk,
+                           vocab=self.drafter.draft_to_target, constraint=constraint)
 
     def _acceptance_prior(self, R: int, nd: int) -> torch.Tensor:
         """Without a confidence head, each position's running acceptance rate stands in."""

@@ -1,6 +1,6 @@
 """Greedy bf16 outputs of the first 24 dev prompts decoded 16 at a time: plain, speculative (the
-default drafter and assist) and speculative with one-block lookups, against plain; and the first 6
-decoded alone against the same prompts batched.
+default drafter and assist), speculative with one-block lookups and the drafter alone verifying
+trees of 8 and of 32 nodes, against plain; and the first 6 decoded alone against the same prompts batched.
 
     .venv/bin/python scripts/batched_vs_solo.py
 """
@@ -22,7 +22,9 @@ def main() -> None:
     greedy = SamplingParams(max_tokens=256, temperature=0)
     outs: dict[str, list[list[int]]] = {}
     for name, kwargs in (("plain", {"drafter": "none"}), ("speculative", {}),
-                         ("speculative, one-block lookups", {"ngram_assist_max_len": 8})):
+                         ("speculative, one-block lookups", {"ngram_assist_max_len": 8}),
+                         ("drafter alone, trees of 8", {"ngram_assist": 0, "tree": True, "tree_budget": 8}),
+                         ("drafter alone, trees of 32", {"ngram_assist": 0, "tree": True, "tree_budget": 32})):
         llm = LLM(max_num_seqs=16, **kwargs)
         outs[name] = [o.token_ids for o in llm.generate(chats, greedy)]
         if name == "plain":

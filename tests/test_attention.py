@@ -23,7 +23,8 @@ def dense_reference(q, k, v, ctx: int, causal: bool = True) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
 
 
-def run_paged(seqs: list[tuple[int, int]], dtype: torch.dtype, attn: TorchAttention, mask: str = "causal"):
+def run_paged(seqs: list[tuple[int, int]], dtype: torch.dtype, attn: TorchAttention, mask: str = "causal",
+              custom_masks: list | None = None):
     """Random cached and new K/V for (cached tokens, new tokens) per sequence, written to a paged
     cache with pages out of order, then one planned forward -> (out, q, full_k, full_v)."""
     g = torch.Generator().manual_seed(0)
@@ -35,7 +36,7 @@ def run_paged(seqs: list[tuple[int, int]], dtype: torch.dtype, attn: TorchAttent
     k_cache = torch.zeros(pages * PAGE, HKV, D, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     batch = AttnBatch(q_lens=[n for _, n in seqs], kv_lens=[c + n for c, n in seqs], page_tables=tables,
-                      page_size=PAGE, mask=mask)
+                      page_size=PAGE, mask=mask, custom_masks=custom_masks or [])
     full_k = [torch.randn(c + n, HKV, D, generator=g).to(dtype) for c, n in seqs]
     full_v = [torch.randn(c + n, HKV, D, generator=g).to(dtype) for c, n in seqs]
     for (ctx, _), pt, k, v in zip(seqs, tables, full_k, full_v):
@@ -78,3 +79,23 @@ def test_inexact_drafter_blocks_match_dense(seqs, dtype):
         ref = dense_reference(q[row:row + n], k, v, ctx, causal=False)
         torch.testing.assert_close(out[row:row + n].double(), ref, atol=tol, rtol=tol)
         row += n
+
+
+def test_prefill_beside_a_tree_gets_the_bits_it_gets_beside_chains():
+    """A long prefill chunk riding in a tree-verification pass (custom mask, its own mask None) is
+    attended as in a causal pass, bit for bit: a prompt admitted while others verify trees must
+    start from the KV it would have beside chains, or bf16 greedy outputs drift from plain ones."""
+    seqs = [(10, 6), (0, 60), (7, 1)]  # a tree of 6, a 60-token prefill chunk, a decode row
+    tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                         [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
+    with_tree, with_chain = TorchAttention("cpu"), TorchAttention("cpu")
+    beside_tree, *_ = run_paged(seqs, torch.bfloat16, with_tree, "custom", [tree, None, None])
+    beside_chain, *_ = run_paged(seqs, torch.bfloat16, with_chain, "causal")
+    assert torch.equal(beside_tree[6:], beside_chain[6:])
+    # the chunk's group is the inexact one in both (float32 there: float64 would round otherwise,
+    # rarely, but over a long generation that is enough to leave plain decoding)
+    exact = [[g.short for g in a.groups if 6 in g.dest.tolist()] for a in (with_tree, with_chain)]
+    assert exact == [[False], [False]]
+    # a tree longer than the exact buckets stays exact, in a group of its own
+    run_paged([(3, 40), (0, 60)], torch.bfloat16, with_tree, "custom", [torch.ones(40, 40).tril().bool(), None])
+    assert sorted((len(g.dest), g.short) for g in with_tree.groups) == [(40, True), (60, False)]

@@ -21,8 +21,9 @@ class AttnBatch:
     """Layout of one ragged forward: sequence i adds q_lens[i] tokens after its
     kv_lens[i] - q_lens[i] cached ones. mask: "causal" (chains, prefill),
     "full" (every new token sees every other: the drafter block) or "custom"
-    (custom_masks[i] is a [q, q] bool tensor among the new tokens; all cached
-    tokens stay visible)."""
+    (custom_masks[i] is a [q, q] bool tensor among the new tokens, or None for a
+    causal sequence riding along: a chain or a prefill chunk; all cached tokens
+    stay visible)."""
 
     q_lens: list[int]
     kv_lens: list[int]
@@ -78,10 +79,17 @@ class TorchAttention:
         for q in batch.q_lens:
             starts.append(at)
             at += q
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, bool], list[int]] = {}
         for i, q in enumerate(batch.q_lens):
-            groups.setdefault(next((j for j, b in enumerate(self.BUCKETS) if q <= b), len(self.BUCKETS)), []).append(i)
+            bucket = next((j for j, b in enumerate(self.BUCKETS) if q <= b), len(self.BUCKETS))
+            # a long tree is attended exactly, a long prefill chunk is not: never in one group
+            tree = bucket == len(self.BUCKETS) and self._is_tree(batch, i)
+            groups.setdefault((bucket, tree), []).append(i)
         self.groups = [self._plan_group(batch, idx, starts) for _, idx in sorted(groups.items())]
+
+    @staticmethod
+    def _is_tree(batch: AttnBatch, i: int) -> bool:
+        return batch.mask == "custom" and batch.custom_masks[i] is not None
 
     def _plan_group(self, batch: AttnBatch, idx: list[int], starts: list[int]) -> _Group:
         S = len(idx)
@@ -107,7 +115,8 @@ class TorchAttention:
                 mask[g, :q, :kv] = True
             else:
                 mask[g, :q, :ctx] = True
-                mask[g, :q, ctx:kv] = batch.custom_masks[i].to(torch.bool)
+                own = batch.custom_masks[i]
+                mask[g, :q, ctx:kv] = own.to(torch.bool) if own is not None else torch.ones(q, q).tril().bool()
             if q < qmax:  # padded query rows see one key so softmax stays finite
                 mask[g, q:, 0] = True
         dev = self.device
@@ -116,7 +125,7 @@ class TorchAttention:
         keep = self.exact or not bool(mask.all())
         return _Group(gather.to(dev), q_index.to(dev), mask[:, None].to(dev) if keep else None,
                       torch.cat(out_rows).to(dev),
-                      torch.cat(dest).to(dev), qmax <= self.BUCKETS[-1] or batch.mask == "custom")
+                      torch.cat(dest).to(dev), qmax <= self.BUCKETS[-1] or any(self._is_tree(batch, i) for i in idx))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -55,7 +55,8 @@ def paged_layout(batch: AttnBatch) -> PagedLayout:
         last.append(kv - (used - 1) * ps)
         if batch.mask == "custom":
             m = torch.ones(q, kv, dtype=torch.bool)
-            m[:, kv - q:] = batch.custom_masks[i].to(torch.bool)
+            own = batch.custom_masks[i]  # None: causal (a chain or prefill chunk beside trees)
+            m[:, kv - q:] = own.to(torch.bool) if own is not None else torch.ones(q, q).tril().bool()
             masks.append(m.flatten())
     i32 = torch.int32
     return PagedLayout(

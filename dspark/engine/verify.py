@@ -63,8 +63,9 @@ def layout(works: list[Work]) -> tuple[list, list[int], str, list | None, torch.
     rows = [r for w in works for r in w.logit_rows()]
     if not any(w.tree is not None for w in works):
         return items, rows, "causal", None, None
-    masks = [w.tree.mask() if w.tree is not None else torch.ones(len(w.tokens), len(w.tokens)).tril().bool()
-             for w in works]
+    # chains and prefill chunks beside the trees stay causal (None): attended like in a causal
+    # pass, so a prompt prefilled beside trees gets the bits it would get beside chains
+    masks = [w.tree.mask() if w.tree is not None else None for w in works]
     positions = torch.tensor([p for w in works for p in w.positions()])
     return items, rows, "custom", masks, positions
 

@@ -85,13 +85,14 @@ class TorchAttention:
             # a long tree is attended exactly, a long prefill chunk is not: never in one group
             tree = bucket == len(self.BUCKETS) and self._is_tree(batch, i)
             groups.setdefault((bucket, tree), []).append(i)
-        self.groups = [self._plan_group(batch, idx, starts) for _, idx in sorted(groups.items())]
+        self.groups = [self._plan_group(batch, idx, starts, exact=bucket < len(self.BUCKETS) or tree)
+                       for (bucket, tree), idx in sorted(groups.items())]
 
     @staticmethod
     def _is_tree(batch: AttnBatch, i: int) -> bool:
         return batch.mask == "custom" and batch.custom_masks[i] is not None
 
-    def _plan_group(self, batch: AttnBatch, idx: list[int], starts: list[int]) -> _Group:
+    def _plan_group(self, batch: AttnBatch, idx: list[int], starts: list[int], exact: bool) -> _Group:
         S = len(idx)
         qmax, lmax = max(batch.q_lens[i] for i in idx), max(batch.kv_lens[i] for i in idx)
         ps = batch.page_size
@@ -108,15 +109,14 @@ class TorchAttention:
             out_rows.append(torch.arange(q) + g * qmax)
             dest.append(torch.arange(starts[i], starts[i] + q))
             ctx = kv - q
-            if batch.mask == "causal":
+            if batch.mask == "full":
+                mask[g, :q, :kv] = True
+            elif self._is_tree(batch, i):
+                mask[g, :q, :ctx] = True
+                mask[g, :q, ctx:kv] = batch.custom_masks[i].to(torch.bool)
+            else:  # causal: chains and prefill chunks, in a causal pass or beside trees
                 qpos = ctx + torch.arange(q)
                 mask[g, :q, :kv] = pos[None, :kv] <= qpos[:, None]
-            elif batch.mask == "full":
-                mask[g, :q, :kv] = True
-            else:
-                mask[g, :q, :ctx] = True
-                own = batch.custom_masks[i]
-                mask[g, :q, ctx:kv] = own.to(torch.bool) if own is not None else torch.ones(q, q).tril().bool()
             if q < qmax:  # padded query rows see one key so softmax stays finite
                 mask[g, q:, 0] = True
         dev = self.device
@@ -125,7 +125,7 @@ class TorchAttention:
         keep = self.exact or not bool(mask.all())
         return _Group(gather.to(dev), q_index.to(dev), mask[:, None].to(dev) if keep else None,
                       torch.cat(out_rows).to(dev),
-                      torch.cat(dest).to(dev), qmax <= self.BUCKETS[-1] or any(self._is_tree(batch, i) for i in idx))
+                      torch.cat(dest).to(dev), exact)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -114,7 +114,8 @@ class NeuralSpecRunner(SpecRunner):
         self._proposed.clear()  # a request that drafts nothing this step proposed nothing
         if self.assist is not None:
             self.assist.clear()
-        active = [s for s in seqs if self.draft_budget(s) > 0]
+        budgets = [self.draft_budget(s) for s in seqs]
+        active = [s for s, b in zip(seqs, budgets) if b > 0]
         if not active:
             return {}
         other_tokens += len(seqs) - len(active)  # their anchors ride in the pass, as prefill does
@@ -122,15 +123,16 @@ class NeuralSpecRunner(SpecRunner):
             self._skip_steps -= 1
             return {}
         t0 = time.perf_counter()
-        budgets = [self.draft_budget(s) for s in active]
+        budgets = [b for b in budgets if b > 0]
         looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
         neural = [s for s in active if s.seq_id not in looked]
         h = self._block_pass(neural) if neural else None
+        draft_seconds = self.estimated_draft_seconds(len(neural)) if neural else 0.0
         if self.cfg.tree:  # looked-up requests verify a chain beside the others' trees
             out = self._propose_trees(neural, self.drafter.draft_logits(h) if neural else None, looked,
-                                      other_tokens, self.estimated_draft_seconds(len(neural)) if neural else 0.0)
+                                      other_tokens, draft_seconds)
         else:
-            out = self._propose_chains(active, budgets, neural, h, looked, other_tokens)
+            out = self._propose_chains(active, budgets, neural, h, looked, other_tokens, draft_seconds)
         if neural:
             self._record_pass(len(neural), time.perf_counter() - t0)
         return out
@@ -149,11 +151,10 @@ class NeuralSpecRunner(SpecRunner):
 
     def _propose_chains(self, active: list[Sequence], budgets: list[int], neural: list[Sequence],
                         h: torch.Tensor | None, looked: dict[int, list[int]],
-                        other_tokens: int) -> dict[int, list[int]]:
+                        other_tokens: int, draft_seconds: float) -> dict[int, list[int]]:
         """Drafted chains for `neural`, looked-up ones for the rest, cut to what the policy admits
         (the confidence head's estimates for drafts, the assist's running rates for lookups)."""
         drafted, conf, stops = self._draft_chains(neural, h) if neural else ([], None, [])
-        draft_seconds = self.estimated_draft_seconds(len(neural)) if neural else 0.0
         if not looked:  # every request drafted: the rows are already in active's order
             lengths = self.policy.choose(budgets, conf, other_tokens, draft_seconds)
             return {s.seq_id: self._send_draft(s.seq_id, d, n, stop)

@@ -94,3 +94,20 @@ def test_incremental_index_equals_a_scan(min_n, max_n):
     assert drafter.propose([1, 2, 3, 4, 1, 2, 3], 7) == [4, 1, 2, 3, 4, 1, 2]  # a loop repeats
     drafter.forget_all_but({5})
     assert len(drafter._indexes) == 6  # few enough to keep
+
+
+def test_a_released_request_keeps_no_state():
+    """A request that finishes (or is preempted) mid-step drops its index and grown span, and the
+    step's observe() does not grow the span again; the survival statistics still count."""
+    assist = NgramAssist(2, 4, block=4, max_len=16)
+    assist.look_up([_seq(0, [1, 2, 3, 1, 2])], [4])
+    assist.send(0, [3, 1, 2, 3], 4)
+    assist.observe(0, 4)
+    assert assist.span(0) == 8 and 0 in assist.lookup._indexes
+    assist.clear()
+    assist.look_up([_seq(0, [1, 2, 3, 1, 2, 3, 1, 2])], [8])
+    assist.send(0, [3, 1, 2, 3, 1, 2, 3, 1], 8)
+    assist.forget(0)  # it finished on this step's tokens
+    assist.observe(0, 8)
+    assert assist.spans == {} and assist.lookup._indexes == {}
+    assert assist.reached[:8] == [2] * 4 + [1] * 4

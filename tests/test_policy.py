@@ -245,3 +245,18 @@ def test_unreadable_cost_profile_is_measured_again(stored, tmp_path, monkeypatch
     assert (cost.tokens, cost.seconds) == ([1, 2], [0.01, 0.02])
     assert json.loads((tmp_path / "cost-k.json").read_text()) == {"tokens": [1, 2], "seconds": [0.01, 0.02]}
     assert [p.name for p in tmp_path.iterdir()] == ["cost-k.json"]  # no temporary file left
+
+
+def test_cost_profile_fits_a_small_kv_cache(folders, tmp_path, monkeypatch):
+    """A load-aware engine whose KV cache is too small for the full start-up profile (16 sequences
+    of 64 cached tokens) measures what fits instead of failing to start."""
+    from dspark.engine import profile
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", kv_cache_tokens=512,
+                         max_model_len=256)
+    nseq, ctx, ladder = profile._fit(engine.pool, profile.LADDER)
+    assert (nseq, ladder[-1]) == (16, 256) and 1 <= ctx < 64
+    assert engine.pool.num_free == engine.pool.num_pages  # the profile's pages are back
+    out = run_requests(engine, [(alphabet_prompts([20])[0], SamplingParams(temperature=0, max_tokens=12), None)])[0]
+    assert out.finish_reason == "length"

@@ -354,3 +354,7 @@ def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_p
     assert sum(spec.assist.reached) > 0 and spec.assist.prior(4).tolist() != [0.5] * 4
     if policy == "fixed":  # load-aware admits what pays at this model's measured costs
         assert spec.block_size < longest[0] <= 20
+    # finished requests keep no lookup index and no grown span
+    assert spec.assist.spans == {} and spec.assist.lookup._indexes == {}
+    with pytest.raises(ValueError, match=r"block_size must be an integer in \[1, 8\]"):
+        engine.add_request("too-long", prompts[0], GREEDY, block_size=64)

@@ -26,6 +26,7 @@ class NgramAssist:
         self.block, self.max_len = block, max(block, max_len)
         self.looked: dict[int, list[int]] = {}  # seq_id -> its looked-up chain, this step
         self.verified: dict[int, int] = {}  # seq_id -> looked-up tokens verified this step
+        self.gone: set[int] = set()  # requests released (finished) this step
         self.spans: dict[int, int] = {}  # seq_id -> length of its next chain, where not `block`
         self.reached = [0] * self.max_len  # steps whose chain was verified up to this position
         self.accepted = [0] * self.max_len  # ... and accepted there
@@ -48,9 +49,16 @@ class NgramAssist:
             self.spans = {k: v for k, v in self.spans.items() if k in live}
         return self.looked
 
+    def forget(self, seq_id: int) -> None:
+        """Drop seq_id's index and grown span: it finished, or it was preempted (it starts again
+        at a block, as after a rejection, so its recomputation reserves no more than a fresh one)."""
+        self.lookup.forget(seq_id)
+        self.spans.pop(seq_id, None)
+        self.gone.add(seq_id)  # so this step's observe() does not grow its span again
+
     def clear(self) -> None:
         """Forget the last step's chains (every step starts here, drafting or not)."""
-        self.looked, self.verified = {}, {}
+        self.looked, self.verified, self.gone = {}, {}, set()
 
     def prior(self, width: int) -> torch.Tensor:
         """[width] estimated chance that a looked-up token survives given the ones before it. A
@@ -74,6 +82,8 @@ class NgramAssist:
         for i in range(min(accepted + 1, n, len(self.reached))):
             self.reached[i] += 1
             self.accepted[i] += i < accepted
+        if seq_id in self.gone:
+            return
         if n and accepted >= n:
             self.spans[seq_id] = min(self.max_len, max(self.block, 2 * n))
         elif n:

@@ -117,6 +117,7 @@ class BatchPlanner:
     def preempt(self, seq: Sequence) -> None:
         """Free a request's pages and queue it for recomputation from its tokens so far."""
         self.pool.free(seq.seq_id)
+        self.spec.release(seq.seq_id)
         seq.num_cached = 0
         seq.plain_step = False
         seq.num_preemptions += 1

@@ -32,6 +32,9 @@ class NgramSpecRunner(SpecRunner):
         self.drafter.forget_all_but({s.seq_id for s in seqs})
         return out
 
+    def release(self, seq_id: int) -> None:
+        self.drafter.forget(seq_id)
+
 
 def default_drafter() -> str:
     """The trained drafter that ships with the project when it fits the default model, else ngram."""

@@ -112,6 +112,9 @@ class Engine:
         """Queue a request: a prompt string, token ids, or chat messages."""
         params = params or SamplingParams()
         params.validate()
+        error = self.spec.block_size_error(block_size)
+        if error is not None:
+            raise ValueError(error)
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.prompt_ids(prompt, params)
@@ -188,7 +191,8 @@ class Engine:
         if not decode and not prefill:
             return self._drain_finished([])
         t0 = time.perf_counter()
-        proposals = self.spec.propose(decode, sum(n for _, n in prefill)) if decode else {}
+        # a step without decodes still proposes (nothing), so no runner keeps the last step's state
+        proposals = self.spec.propose(decode, sum(n for _, n in prefill))
         t_draft = time.perf_counter() - t0
         self.draft_time += t_draft
         works = []
@@ -296,6 +300,7 @@ class Engine:
         seq.finish_time = time.perf_counter()
         self.pool.free(seq.seq_id)
         self.planner.drop(seq)
+        self.spec.release(seq.seq_id)
         self._finished_pending.append(seq)
 
     def _drain_finished(self, touched: list[Sequence]) -> list[RequestOutput]:

@@ -299,6 +299,10 @@ class NeuralSpecRunner(SpecRunner):
                 self.assist.observe(seq.seq_id, len(kept) - 1)
         self.context.add(ctx_rows, result.feats, flush=self._skip_steps == 0)
 
+    def release(self, seq_id: int) -> None:
+        if self.assist is not None:
+            self.assist.forget(seq_id)
+
     def looked_up(self, seq: Sequence) -> bool:
         return self.assist is not None and self.assist.verified.get(seq.seq_id, 0) > 0
 

@@ -19,10 +19,22 @@ LADDER = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 def _key(engine) -> str:
     raw = (f"v3|{engine.model_path}|{engine.device}|{engine.dtype}|{torch.get_num_threads()}|{engine.attn.name}"
-           f"|graphs={bool(engine.runner.graphs)}")
+           f"|graphs={bool(engine.runner.graphs)}|fit={_fit(engine.pool, LADDER)}")  # a small pool's is partial
     if engine.device.type == "cuda":
         raw += "|" + torch.cuda.get_device_name(engine.device)
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _fit(pool, ladder: list[int]) -> tuple[int, int, list[int]]:
+    """(sequences, context tokens each, ladder) that the free pages hold: up to 16 sequences with 64
+    cached tokens each, fewer and shorter in a small pool (the profile prices the tokens in a pass,
+    not the context), and only the ladder's passes that still fit."""
+    nseq = max(1, min(16, pool.num_free))
+    room = (pool.num_free // nseq) * pool.page_size
+    fits = [n for n in ladder if -(-n // nseq) < room]
+    if not fits:
+        raise ValueError(f"the KV cache ({pool.num_free} free pages) cannot hold a profile pass")
+    return nseq, min(64, room - -(-fits[-1] // nseq)), fits
 
 
 def measure(engine, ladder: list[int] = LADDER, repeats: int = 3) -> CostModel:
@@ -30,15 +42,16 @@ def measure(engine, ladder: list[int] = LADDER, repeats: int = 3) -> CostModel:
     (on a shared machine noise only adds time; CostModel caps what is still out of order).
     Every row gets logits and the drafter's feature layers are captured, as in a real step (the
     LM head is a large share), so the same forwards take CUDA graphs where the engine has them."""
-    seqs = [Sequence(seq_id=-1 - i, request_id=f"profile-{i}", prompt_ids=[0] * 64,
-                     params=SamplingParams(), generator=None, eos_ids=frozenset()) for i in range(16)]
-    for s in seqs:
-        engine.pool.reserve(s.seq_id, 64 + max(ladder))
-        s.num_cached = 64
+    nseq, ctx, ladder = _fit(engine.pool, ladder)
+    seqs = [Sequence(seq_id=-1 - i, request_id=f"profile-{i}", prompt_ids=[0] * ctx,
+                     params=SamplingParams(), generator=None, eos_ids=frozenset()) for i in range(nseq)]
     seconds = []
     try:
+        for s in seqs:
+            engine.pool.reserve(s.seq_id, ctx + -(-max(ladder) // nseq))
+            s.num_cached = ctx
         for n in ladder:
-            per = [n // 16 + (i < n % 16) for i in range(16)] if n >= 16 else [1] * n
+            per = [n // nseq + (i < n % nseq) for i in range(nseq)]
             items = [(s, [0] * k) for s, k in zip(seqs, per) if k]
             times = []
             for _ in range(repeats + 1):

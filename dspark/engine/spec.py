@@ -35,6 +35,15 @@ class SpecRunner:
         room = self.engine.max_model_len - seq.num_cached - 2
         return max(0, min(block, left, room))
 
+    def block_size_error(self, block_size: int | None) -> str | None:
+        """Why a request's own block size cannot run here (None: it can, or it has no effect)."""
+        if block_size is None or self.name == "none":
+            return None
+        top = 32 if self.name == "ngram" else self.block_size
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= top:
+            return f"block_size must be an integer in [1, {top}] for drafter {self.name}, got {block_size!r}"
+        return None
+
     def context_headroom(self) -> int:
         """Cache slots past max_model_len a step may reserve for one request. A chain never
         passes the context (draft_budget stops at it); a drafter block or a tree may."""
@@ -73,6 +82,10 @@ class SpecRunner:
 
     def commit(self, ctx_rows, result) -> None:
         """Called after each forward with (seq, first new position, batch rows kept there in order)."""
+
+    def release(self, seq_id: int) -> None:
+        """seq_id finished or was preempted: drop what the runner keeps across its steps (this
+        step's proposal counts stay until the next propose, for the step's statistics)."""
 
     def context_pending(self) -> bool:
         """Whether committed positions still wait to enter the drafter's context cache."""

@@ -169,13 +169,9 @@ class _Generation:
             c.stream.abort()
 
     def _check_block_size(self) -> None:
-        spec = self.state.engine.spec
-        if self.spec.block_size is None or spec.name == "none":
-            return  # no drafter: the block size has no effect
-        top = 32 if spec.name == "ngram" else spec.block_size
-        if self.spec.block_size > top:
-            raise APIError(400, f"speculation.block_size must be in [1, {top}] for drafter {spec.name}",
-                           param="speculation.block_size")
+        error = self.state.engine.spec.block_size_error(self.spec.block_size)
+        if error is not None:
+            raise APIError(400, f"speculation.{error}", param="speculation.block_size")
 
     async def _collect(self, stream: RequestStream) -> RequestOutput:
         async def watch() -> None:  # abort when the client goes away

@@ -61,6 +61,10 @@ class NgramDrafter:
                 return _continue(tokens, i + n, k)
         return []
 
+    def forget(self, key: int) -> None:
+        """Drop one request's index (it finished, or a preemption will recompute it)."""
+        self._indexes.pop(key, None)
+
     def forget_all_but(self, keys: set[int]) -> None:
         """Drop the indexes of requests outside keys (finished ones), once they pile up."""
         if len(self._indexes) > 2 * len(keys) + 16:

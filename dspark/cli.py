@@ -19,7 +19,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "last N+ tokens instead of a drafted block (default: 2; 0: never)")
     p.add_argument("--ngram-assist-max-len", type=int, default=None,
                    help="longest looked-up chain: a chain starts a block long and doubles while "
-                        "accepted whole (default: 32; an explicit --block-size caps it)")
+                        "accepted whole (default and most: 32; an explicit --block-size caps it)")
     p.add_argument("--spec-policy", default=None, choices=["fixed", "threshold", "load-aware"])
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence cut for --spec-policy threshold (default: 0.5)")

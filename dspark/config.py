@@ -198,8 +198,9 @@ class SpecConfig:
             raise ValueError(f"unknown spec policy {self.policy!r}: choose fixed, threshold or load-aware")
         if not _is_token_id(self.ngram_assist):  # an integer >= 0
             raise ValueError(f"ngram_assist must be an integer >= 0, got {self.ngram_assist!r}")
-        if not _is_token_id(self.ngram_assist_max_len) or not 1 <= self.ngram_assist_max_len <= 64:
-            raise ValueError(f"ngram_assist_max_len must be an integer in [1, 64], got {self.ngram_assist_max_len!r}")
+        # 32 + the anchor is the longest chain the bf16 CPU attention verifies exactly (its bucket)
+        if not _is_token_id(self.ngram_assist_max_len) or not 1 <= self.ngram_assist_max_len <= 32:
+            raise ValueError(f"ngram_assist_max_len must be an integer in [1, 32], got {self.ngram_assist_max_len!r}")
         if self.tree_budget < 1 or self.tree_topk < 1:
             raise ValueError("tree_budget and tree_topk must be >= 1")
         if self.drafter not in (None, "none", "ngram") and not os.path.isdir(self.drafter):

@@ -85,7 +85,7 @@ def test_prefill_beside_a_tree_gets_the_bits_it_gets_beside_chains():
     """A long prefill chunk riding in a tree-verification pass (custom mask, its own mask None) is
     attended as in a causal pass, bit for bit: a prompt admitted while others verify trees must
     start from the KV it would have beside chains, or bf16 greedy outputs drift from plain ones."""
-    seqs = [(10, 6), (0, 70), (7, 1)]  # a tree of 6, a 70-token prefill chunk, a decode row
+    seqs = [(10, 6), (0, 60), (7, 1)]  # a tree of 6, a 60-token prefill chunk, a decode row
     tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
                          [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
     with_tree, with_chain = TorchAttention("cpu"), TorchAttention("cpu")
@@ -97,5 +97,5 @@ def test_prefill_beside_a_tree_gets_the_bits_it_gets_beside_chains():
     exact = [[g.short for g in a.groups if 6 in g.dest.tolist()] for a in (with_tree, with_chain)]
     assert exact == [[False], [False]]
     # a tree longer than the exact buckets stays exact, in a group of its own
-    run_paged([(3, 70), (0, 80)], torch.bfloat16, with_tree, "custom", [torch.ones(70, 70).tril().bool(), None])
-    assert sorted((len(g.dest), g.short) for g in with_tree.groups) == [(70, True), (80, False)]
+    run_paged([(3, 40), (0, 60)], torch.bfloat16, with_tree, "custom", [torch.ones(40, 40).tril().bool(), None])
+    assert sorted((len(g.dest), g.short) for g in with_tree.groups) == [(40, True), (60, False)]

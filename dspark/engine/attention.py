@@ -62,11 +62,12 @@ class TorchAttention:
     cache's own dtype, where CPU SDPA is fastest."""
 
     name = "torch"
-    # Query-length group bounds: q == 1, q <= 16, q <= 33, q <= 65, longer. Every bounded group is
-    # attended exactly (float64 in bf16 on CPU), so the last bound is the longest chain (a looked-up
-    # chain of ngram_assist_max_len <= 64 + its anchor); trees are exact whatever their size. A
-    # verified token must get the bits it would get decoded alone; longer prefill chunks need not.
-    BUCKETS = (1, 16, 33, 65)
+    # Query-length group bounds: q == 1, q <= 16, q <= 33, longer. Every bounded group is attended
+    # exactly (float64 in bf16 on CPU), so the last bound is the longest chain (a block or a
+    # looked-up chain of at most 32 + its anchor; config.py keeps them there); trees are exact
+    # whatever their size. A verified token must get the bits it would
+    # get decoded alone; longer prefill chunks need not.
+    BUCKETS = (1, 16, 33)
 
     def __init__(self, device: str | torch.device, exact: bool = True):
         self.device = torch.device(device)

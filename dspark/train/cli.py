@@ -108,7 +108,7 @@ def add_train_parsers(sub) -> None:
                    help="look up chains after suffix matches of this many tokens (0: the drafter alone; "
                         "default: the engine's, 2)")
     e.add_argument("--ngram-assist-max-len", type=int, default=None,
-                   help="longest looked-up chain (default: the engine's, 32)")
+                   help="longest looked-up chain (default and most: 32)")
     e.add_argument("--model", default=None)
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto")

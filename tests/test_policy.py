@@ -5,6 +5,7 @@ so costly that drafting cannot pay (the drafter pauses, output still the same)."
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -258,5 +259,9 @@ def test_cost_profile_fits_a_small_kv_cache(folders, tmp_path, monkeypatch):
     nseq, ctx, ladder = profile._fit(engine.pool, profile.LADDER)
     assert (nseq, ladder[-1]) == (16, 256) and 1 <= ctx < 64
     assert engine.pool.num_free == engine.pool.num_pages  # the profile's pages are back
+    small, pool = profile._key(engine), engine.pool  # a partial profile is stored apart
+    engine.pool = SimpleNamespace(num_free=10_000, page_size=16)
+    assert profile._key(engine) != small
+    engine.pool = pool
     out = run_requests(engine, [(alphabet_prompts([20])[0], SamplingParams(temperature=0, max_tokens=12), None)])[0]
     assert out.finish_reason == "length"

@@ -110,14 +110,19 @@ def test_rollback_after_preemption(folders, fresh):
     prompts = alphabet_prompts([31, 33, 40], seed=9)
     for i, p in enumerate(prompts):
         engine.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=60))
-    for _ in range(30):
+    released, release = [], engine.spec.release
+    engine.spec.release = lambda seq_id: (released.append(seq_id), release(seq_id))
+    for step in range(300):
         if not engine.has_unfinished():
             break
         engine.step()
-        for s in engine.running:
+        for s in engine.running if step < 30 else ():
             if s.num_cached:
                 check_caches(engine, fresh, s)
-    assert engine.num_preemptions > 0
+    assert engine.num_preemptions > 0 and not engine.has_unfinished()
+    # each preemption and each finish released the request's lookup state, and none is left
+    assert len(released) == engine.num_preemptions + len(prompts)
+    assert engine.spec.assist.spans == {} and engine.spec.assist.lookup._indexes == {}
 
 
 def test_captured_features_are_hf_hidden_states(folders, fresh):

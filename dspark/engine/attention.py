@@ -64,8 +64,10 @@ class TorchAttention:
     name = "torch"
     # Query-length group bounds: q == 1, q <= 16, q <= 33, longer. Every bounded group is attended
     # exactly (float64 in bf16 on CPU), so the last bound is the longest chain (a block or a
-    # looked-up chain of at most 32 + its anchor; config.py keeps them there); trees are exact
-    # whatever their size. A verified token must get the bits it would
+    # looked-up chain of at most 32 + its anchor: config.py caps a requested block size and
+    # ngram_assist_max_len at 32; a drafter emitting more than 32 a block would need a wider
+    # bound, which would also move short prefill chunks to float64); trees are exact whatever
+    # their size. A verified token must get the bits it would
     # get decoded alone; longer prefill chunks need not.
     BUCKETS = (1, 16, 33)
 

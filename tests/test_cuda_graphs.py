@@ -34,11 +34,12 @@ def test_pad_layout_and_fallbacks():
     assert pids.tolist() == [11, 0, 0, 21, 22, 23, 31, 32, 0, 0, 0, 0]
     assert ppos.tolist() == [4, 5, 6, 6, 7, 8, 1, 2, 3, 0, 1, 2]
     assert rows.tolist() == [0, 3, 4, 5, 6, 7]
-    # more requests than the ladder, a request longer than the pool's tokens, or no pages for
-    # the padding: these run eagerly
+    # more requests than the ladder or a request longer than the pool's tokens: these run eagerly
     assert pool.pad(AttnBatch([1] * 5, [1] * 5, [[0]] * 5, 4), torch.zeros(5)) is None
     assert pool.pad(AttnBatch([4], [4], [[0]], 4), torch.zeros(4)) is None
-    assert pool.pad(AttnBatch([1], [4], [[0]], 4), torch.zeros(1)) is None
+    # padding past the reserved pages goes to the scratch page (positions 4-5 of a 1-page table)
+    padded, _, ppos, rows = pool.pad(AttnBatch([1], [4], [[0]], 4), torch.zeros(1))
+    assert padded.page_tables[0] == [0, 9] and ppos.tolist()[:3] == [3, 4, 5] and rows.tolist() == [0]
 
 
 @pytest.mark.parametrize("drafter,policy", [("dspark", "fixed"), ("dspark", "load-aware"), ("none", "fixed"),
@@ -58,3 +59,20 @@ def test_padded_graph_forwards_keep_greedy_output(folders, drafter, policy):
     if drafter == "dspark":
         # every drafter pass (load-aware pauses some) ran padded
         assert eng.spec.graphs.num_served == eng.spec.num_draft_passes > 0
+
+
+def test_long_looked_up_chains_run_padded(folders):
+    """Looked-up chains that grow past a block (the predictable target loops through its alphabet,
+    so the n-gram assist copies the last lap) go through the pool for the longest chain, padded to
+    its 33 tokens, with the eager engine's greedy output."""
+    prompts = alphabet_prompts([30, 31, 33], seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    reqs = [(p, sp, None) for p in prompts]
+    eager = run_requests(make_engine(folders["target"], folders["dspark"], max_num_seqs=6), reqs)
+    eng = make_engine(folders["target"], folders["dspark"], max_num_seqs=6)
+    eng.enable_graphs(capture=False)
+    assert sorted(eng.runner.graphs) == [1, 9, 33] and eng.runner.graphs[33].ladder == [1, 2, 4, 6]
+    padded = run_requests(eng, reqs)
+    assert [o.token_ids for o in padded] == [o.token_ids for o in eager]
+    assert eng.runner.graphs[33].num_served > 0
+    assert len(eng.spec_stats.accepted_per_pos) > 8 and eng.spec_stats.accepted_per_pos[8] > 0  # past a block

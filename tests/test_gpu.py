@@ -152,6 +152,20 @@ def test_graph_replay_equals_eager(gpu_folders, drafter):
         assert eng.spec.graphs.num_served == eng.spec.num_draft_passes > 0
 
 
+def test_graph_replay_of_long_looked_up_chains(gpu_folders):
+    """Looked-up chains grown past a block replay from the 33-token pool with the eager output
+    (the CPU twin, test_long_looked_up_chains_run_padded, checks the padding without capture)."""
+    pytest.importorskip("flashinfer")
+    prompts = alphabet_prompts([30, 31, 33], seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    eager = run_requests(_engine(gpu_folders["target"], gpu_folders["dspark"], "flashinfer"),
+                         [(p, sp, None) for p in prompts])
+    eng = _engine(gpu_folders["target"], gpu_folders["dspark"], "flashinfer", enforce_eager=False)
+    graphed = run_requests(eng, [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert eng.runner.graphs[33].capture and eng.runner.graphs[33].num_served > 0
+
+
 def test_prefix_caching_equals_no_caching_on_cuda(gpu_folders):
     """Shared pages on a GPU (fp32, torch backend): prompts with a common prefix, one repeated, give
     the tokens an engine without prefix caching gives, and pages are found in the cache."""

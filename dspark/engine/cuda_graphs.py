@@ -4,10 +4,10 @@ chain verification (anchor + drafts) and the drafter's block.
 A GraphPool holds one captured forward per batch size on a ladder. A batch is padded up to the
 next size: each request's tokens to the pool's `tokens` (extra tokens sit after the real ones,
 so causal attention keeps them out of the real rows; their K/V land in the request's own
-reserved slots, which nothing reads before a real token overwrites them), and missing requests
-with dummy ones on scratch pages. The real rows are gathered back in the batch's ragged order.
-Anything the ladder cannot hold (prefill chunks, trees, more requests than the largest size, a
-request without pages for the padding) runs eagerly: `run` returns None.
+reserved slots, which nothing reads before a real token overwrites them, and past its reserved
+pages on scratch pages), and missing requests with dummy ones on scratch pages. The real rows are
+gathered back in the batch's ragged order. Anything the ladder cannot hold (long prefill chunks,
+trees, more requests than the largest size) runs eagerly: `run` returns None.
 
 Without capture (`capture=False`, or on CPU) the pool runs the same padded forward eagerly;
 the tests use that to check the padding on CPU.
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from dspark.engine.engine import Engine
 
 SCRATCH_TOKENS = 64  # cache slots kept outside the page pool for padding requests (blocks up to 63)
+LONG_CHAIN_REQUESTS = 8  # most requests a pool for chains longer than a block pads (8 x 33 rows)
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, object], tuple]  # (ids, positions, attn) -> tensors
 
 
@@ -120,7 +121,9 @@ class GraphPool:
             return None
         ps = self.page_size
         for ql, kv, pages in zip(batch.q_lens, batch.kv_lens, batch.page_tables):
-            if ql > q or (self.mask == "full" and ql != q) or kv - ql + q > len(pages) * ps:
+            if ql > q or (self.mask == "full" and ql != q):
+                return None
+            if self._overflow(kv - ql + q, len(pages)) > len(self.scratch):
                 return None
         # index lists on the host, then one gather each: no per-request device ops
         src, positions, rows, kv_lens, tables = [], [], [], [], []
@@ -130,7 +133,9 @@ class GraphPool:
             positions.extend(range(kv - ql, kv - ql + q))
             rows.extend(range(i * q, i * q + ql))
             kv_lens.append(kv - ql + q)
-            tables.append(pages)
+            # padding past the request's reserved pages lands on scratch pages: only padding rows,
+            # whose outputs are dropped, ever attend to those positions
+            tables.append(pages + self.scratch[:self._overflow(kv - ql + q, len(pages))])
             at += ql
         for _ in range(R, n):
             src.extend([pad_row] * q)
@@ -142,6 +147,10 @@ class GraphPool:
         pad_pos = torch.tensor(positions, dtype=torch.long, device=dev)
         padded = AttnBatch(q_lens=[q] * n, kv_lens=kv_lens, page_tables=tables, page_size=ps, mask=self.mask)
         return padded, pad_ids, pad_pos, torch.tensor(rows, dtype=torch.long, device=dev)
+
+    def _overflow(self, tokens: int, pages: int) -> int:
+        """Pages that `tokens` positions need beyond a table of `pages` pages (at least 0)."""
+        return max(0, -(-tokens // self.page_size) - pages)
 
     def run(self, batch: AttnBatch, ids: torch.Tensor) -> tuple | None:
         """The forward's outputs for the real rows of batch (None: run it eagerly instead)."""
@@ -172,10 +181,11 @@ def install_graphs(engine: Engine, capture: bool = True) -> None:
     max_pages = -(-(engine.max_model_len + SCRATCH_TOKENS) // cfg.page_size) + 1  # a table plus padding
     workspace = getattr(engine.attn, "workspace", None)
 
-    def pool(fn, tokens: int, mask: str = "causal") -> GraphPool:
+    def pool(fn, tokens: int, mask: str = "causal", sizes: list[int] | None = None) -> GraphPool:
         def make_attn(n: int):
             return make_backend(cfg.attention_backend, device, StaticBatch(n, tokens, max_pages), workspace)
-        return GraphPool(fn, make_attn, ladder, tokens, mask, engine.scratch_pages, cfg.page_size, device, capture)
+        return GraphPool(fn, make_attn, sizes or ladder, tokens, mask, engine.scratch_pages, cfg.page_size,
+                         device, capture)
 
     runner, spec = engine.runner, engine.spec
     layers = spec.capture_layers
@@ -184,6 +194,12 @@ def install_graphs(engine: Engine, capture: bool = True) -> None:
         return runner.model(ids, pos, attn, runner.kv, layers)
 
     runner.graphs = {q: pool(target, q) for q in sorted({1, 1 + spec.block_size})}
+    longest = 1 + spec.longest_chain
+    if longest > max(runner.graphs) and longest <= SCRATCH_TOKENS:
+        # looked-up chains grow past a block while they are accepted whole: a few requests padded
+        # to the longest chain cost one graph replay, where an eager pass pays a launch per kernel;
+        # many would pad the whole batch to it, so larger batches with such a chain run eagerly
+        runner.graphs[longest] = pool(target, longest, sizes=[n for n in ladder if n <= LONG_CHAIN_REQUESTS])
     runner.graph_capture_layers = layers
     if spec.block_forward is not None:
         spec.graphs = pool(spec.block_forward, spec.drafter.config.block_size, "full")

@@ -74,6 +74,10 @@ class NeuralSpecRunner(SpecRunner):
             nodes = max(nodes, self.lookup_budget(seq))
         return max(1 + nodes, self.drafter.config.block_size)
 
+    @property
+    def longest_chain(self) -> int:
+        return self.assist.max_len if self.assist is not None else self.block_size
+
     def lookup_budget(self, seq: Sequence) -> int:
         """Most looked-up tokens seq may verify this step."""
         return self.draft_budget(seq, self.assist.span(seq.seq_id))

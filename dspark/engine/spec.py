@@ -50,6 +50,12 @@ class SpecRunner:
         return 0
 
     block_size = 0
+
+    @property
+    def longest_chain(self) -> int:
+        """Most proposed tokens a request's chain may hold (CUDA graphs pad chains to it)."""
+        return self.block_size
+
     graphs = None  # the drafter's GraphPool, when the engine uses CUDA graphs
 
     def calibrate(self) -> None:

@@ -25,6 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="confidence cut for --spec-policy threshold (default: 0.5)")
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32), fp32, bf16, fp16")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="decoder-layer weights on CPU: auto (keep a GGUF's Q4_0/Q4_1 as int4 and Q8_0 as "
+                        "int8; safetensors stay dense), none (dense, pre-packed), int8, int4 (quantized at "
+                        "load when the file is not); CUDA keeps dense weights")
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--kv-cache-tokens", type=int, default=65536)
@@ -68,7 +72,7 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
                                ("ngram_assist", args.ngram_assist),
                                ("ngram_assist_max_len", args.ngram_assist_max_len)) if v is not None}
     spec = SpecConfig(drafter=args.drafter, block_size=args.block_size, tree=args.tree, policy=policy, **given)
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,

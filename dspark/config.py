@@ -207,6 +207,9 @@ class SpecConfig:
             raise ValueError(f"drafter {self.drafter!r} is not a folder; use a drafter folder, 'ngram' or 'none'")
 
 
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run natively (2-3x fp32 for the small batches of
     decoding); elsewhere torch emulates them and fp32 is faster."""
@@ -224,6 +227,7 @@ class EngineConfig:
 
     model: str | None = None  # HF folder or .gguf; None: the default SmolLM2
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
+    quantization: str = "auto"  # decoder-layer weights: auto | none | int8 | int4 (models/quant.py)
     device: str = "auto"
     attention_backend: str = "auto"  # auto | torch | flashinfer
     page_size: int = 16
@@ -252,6 +256,8 @@ class EngineConfig:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: choose torch, flashinfer or auto")
         if self.cuda_graph_batch_sizes is not None and any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError(f"cuda_graph_batch_sizes must be >= 1, got {self.cuda_graph_batch_sizes}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"unknown quantization {self.quantization!r}: choose {', '.join(QUANTIZATION_CHOICES)}")
         self.resolved_dtype()
         import torch
 

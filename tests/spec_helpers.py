@@ -189,13 +189,13 @@ def assets(tmp_path_factory) -> dict[str, str]:
 
 
 def make_engine(model: str, drafter: str = "none", **kwargs):
-    """An Engine on CPU/fp32 with the given drafter; SpecConfig fields go to the spec."""
+    """An Engine on CPU (fp32 unless dtype= says) with the given drafter; SpecConfig fields go to the spec."""
     from dspark.config import EngineConfig, SpecConfig
     from dspark.engine.engine import Engine
 
     spec_keys = {f.name for f in dataclasses.fields(SpecConfig)}
     spec = SpecConfig(drafter=drafter, **{k: kwargs.pop(k) for k in list(kwargs) if k in spec_keys})
-    return Engine(EngineConfig(model=model, device="cpu", dtype="float32", spec=spec, **kwargs))
+    return Engine(EngineConfig(**{"model": model, "device": "cpu", "dtype": "float32", "spec": spec, **kwargs}))
 
 
 def run_requests(engine, requests, spec: bool = True) -> list:

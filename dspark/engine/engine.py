@@ -34,6 +34,7 @@ from dspark.engine.tree import DraftTree
 from dspark.engine.verify import Work, accept, layout
 from dspark.models.llama import LlamaConfig, LlamaModel
 from dspark.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model_folder
+from dspark.models.quant import quantize_target
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Engine:
         model = LlamaModel(mc)
         model.load_hf_state_dict(load_state_dict(self.model_path, self.dtype))
         self.model = model.to(self.device, self.dtype).eval()
+        self.quantization = quantize_target(self.model, config.quantization, config.model)
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)

@@ -168,6 +168,43 @@ def _meta(reader, key: str, default=None):  # noqa: ANN001, ANN202
     return default if field is None else field.contents()
 
 
+def gguf_hf_name(name: str) -> str | None:
+    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``),
+    or None for a name dspark does not know."""
+    base, _, suffix = name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return f"{_TOP_NAMES[base]}.{suffix}" if base in _TOP_NAMES else None
+
+
+def unpermute_rotary_rows(w, arch: str, name: str, n_head: int, n_kv: int):  # noqa: ANN001, ANN201 - array-like
+    """Undo llama.cpp's interleaving of q/k rows for rotary (llama only); rows move whole, so
+    this applies to weights, to quantized codes and to per-row block scales alike."""
+    kind = name.rpartition(".")[0].split(".")[-1]
+    if arch != "llama" or kind not in ("attn_q", "attn_k"):
+        return w
+    h = n_head if kind == "attn_q" else n_kv
+    return w.reshape(h, w.shape[0] // h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_heads(reader) -> tuple[str, int, int]:  # noqa: ANN001
+    """(architecture, query heads, key/value heads) of an open GGUFReader."""
+    arch = _meta(reader, "general.architecture")
+    if arch not in _ARCHES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHES)}")
+    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
+    return arch, n_head, int(_meta(reader, f"{arch}.attention.head_count_kv", n_head))
+
+
+def source_gguf(model: str | None) -> str | None:
+    """The GGUF file a ``--model`` argument names (None: the default model's), else None."""
+    if model is None:
+        return default_model_path()
+    path = pathlib.Path(model).expanduser()
+    return str(path.resolve()) if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
 def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     import numpy as np
     from gguf import GGUFReader
@@ -175,31 +212,22 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
     from safetensors.torch import save_file
 
     reader = GGUFReader(str(gguf_path))
-    arch = _meta(reader, "general.architecture")
-    if arch not in _ARCHES:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {str(gguf_path)!r}; "
-                             f"supported: {', '.join(_ARCHES)}")
-    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_meta(reader, f"{arch}.attention.head_count_kv", n_head))
+    try:
+        arch, n_head, n_kv = gguf_heads(reader)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{e} (in {str(gguf_path)!r})") from None
     tensors: dict[str, torch.Tensor] = {}
     rope_freqs = None
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        base, _, suffix = t.name.rpartition(".")
-        parts = base.split(".")
-        if base == "rope_freqs":
+        if t.name == "rope_freqs.weight":
             rope_freqs = w
             continue
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-        elif base in _TOP_NAMES:
-            hf = f"{_TOP_NAMES[base]}.{suffix}"
-        else:
+        hf = gguf_hf_name(t.name)
+        if hf is None:
             raise ModelLoadError(f"unexpected tensor {t.name!r} in {str(gguf_path)!r} (arch {arch})")
-        if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):  # undo llama.cpp's rotary permutation
-            h = n_head if parts[-1] == "attn_q" else n_kv
-            w = w.reshape(h, w.shape[0] // h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        w = unpermute_rotary_rows(w, arch, t.name, n_head, n_kv)
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
 
     cls, model_type = _ARCHES[arch]

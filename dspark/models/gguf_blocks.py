@@ -1,0 +1,78 @@
+"""Read a GGUF's quantized layer weights as codes and scales (no de-quantization).
+
+The loader converts a GGUF into a dense HF folder once; when ``--quantization`` keeps the
+file's own 4-/8-bit weights, the decoder layers' projections are read here again from the
+memory-mapped file and fused the way the model fuses them (q/k/v, gate/up).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dspark.models.loader import gguf_heads, gguf_hf_name, unpermute_rotary_rows
+from dspark.models.quant import GROUP, Int4Weight, Int8Weight, quantize_int8
+
+_FUSED = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+          "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+          "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+          "down_proj": ("mlp.down_proj", 0)}
+_PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Weight | Int8Weight:
+    """A GGUF Q4_0 / Q4_1 / Q8_0 tensor (raw bytes, [N, bytes per row]) as codes and scales.
+    Q4 blocks are kept exactly (w = (q - 8) * d + zero); Q8_0 blocks, whose scale is per 32
+    inputs, get one scale per row (exact where a row's blocks share a scale)."""
+    n, k = shape
+    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, -1)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
+        return quantize_int8(torch.from_numpy((q * d[..., None]).reshape(n, k)))
+    if kind not in ("Q4_0", "Q4_1"):
+        raise ValueError(f"no int4/int8 layout for GGUF type {kind}")
+    off = 4 if kind == "Q4_1" else 2
+    nib = blocks[..., off:off + 16]
+    q = torch.from_numpy(np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.int32).reshape(n, k))
+    d_t = torch.from_numpy(d)
+    if kind == "Q4_1":  # w = d * q + m  ->  (q - 8) * d + (m + 8 d)
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        return Int4Weight(q, d_t, m + 8 * d_t)
+    return Int4Weight(q, d_t, torch.zeros_like(d_t))  # w = d * (q - 8)
+
+
+def _cat(ws: list[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
+    if isinstance(ws[0], Int4Weight):
+        return Int4Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]),
+                          torch.cat([w.zero for w in ws]))
+    return Int8Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]))
+
+
+def gguf_linear_parts(path: str) -> dict[str, tuple[str, Int4Weight | Int8Weight]]:
+    """Fused layer linears whose GGUF parts all share one kept type (Q4_0, Q4_1 or Q8_0):
+    ``layers.3.mlp.gate_up_proj`` -> (type, codes and scales in the model's row order)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch, n_head, n_kv = gguf_heads(reader)
+    found: dict[str, dict[int, tuple[str, Int4Weight | Int8Weight]]] = {}
+    for t in reader.tensors:
+        hf = gguf_hf_name(t.name)
+        kind = t.tensor_type.name
+        if hf is None or not hf.endswith(".weight") or kind not in KEPT_TYPES or ".layers." not in hf:
+            continue
+        layer, proj = hf.split(".")[2], hf.split(".")[-2]
+        if proj not in _FUSED:
+            continue
+        fused, slot = _FUSED[proj]
+        shape = tuple(int(x) for x in reversed(t.shape))
+        raw = unpermute_rotary_rows(np.asarray(t.data).reshape(shape[0], -1), arch, t.name, n_head, n_kv)
+        found.setdefault(f"layers.{layer}.{fused}", {})[slot] = (kind, gguf_blocks(raw, kind, shape))
+    out = {}
+    for name, slots in found.items():
+        kinds = {k for k, _ in slots.values()}
+        if len(slots) == _PARTS[name.split(".", 2)[2]] and len(kinds) == 1:
+            out[name] = (kinds.pop(), _cat([slots[i][1] for i in sorted(slots)]))
+    return out

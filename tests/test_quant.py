@@ -1,0 +1,157 @@
+"""Weight-only quantized and pre-packed linears (dspark/models/quant.py, gguf_blocks.py).
+
+Kernels against de-quantized references, GGUF blocks read back without loss, rows that do not
+depend on their batch, and greedy speculative output equal to plain output of the same
+quantized target (chains and trees, fp32 and bf16).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+from spec_helpers import alphabet_prompts, make_engine, run_requests
+
+from dspark.config import EngineConfig, SamplingParams
+from dspark.models.gguf_blocks import gguf_blocks
+from dspark.models.quant import Int4Linear, Int8Linear, PackedLinear, quantize_int4, quantize_int8, quantize_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _weights(n: int = 96, k: int = 128, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_round_trip(kind: str) -> None:
+    """Codes and scales read from GGUF blocks reproduce gguf's own de-quantization; Q4 exactly,
+    Q8_0 within its per-row re-scaling (one int8 step of the row's largest block scale)."""
+    w = _weights(8, 96).numpy() * np.linspace(0.2, 3.0, 96, dtype=np.float32)  # blocks with other scales
+    raw = quantize(w, T[kind])
+    ref = torch.from_numpy(dequantize(raw, T[kind]).astype(np.float32))
+    got = gguf_blocks(raw, kind, w.shape).dequantize()
+    if kind == "Q8_0":
+        step = ref.abs().amax(-1, keepdim=True) / 127
+        assert ((got - ref).abs() <= step / 2 + 1e-7).all()
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_matmul_matches_dequantized_reference(bits: int, dtype: torch.dtype) -> None:
+    """y = x W^T with W de-quantized, in float64: fp32 agrees to 1e-5 relative; bf16 within
+    2^-7 of the output scale (the kernel's bf16 scales and its rounding of the result)."""
+    w = _weights()
+    qw = quantize_int4(w) if bits == 4 else quantize_int8(w)
+    lin = Int4Linear(qw, None, dtype) if bits == 4 else Int8Linear(qw, None, dtype)
+    x = torch.randn(5, w.shape[1]).to(dtype)
+    deq = qw.dequantize()
+    if dtype == torch.bfloat16:  # the kernels read scales (and int4 offsets) in the activation dtype
+        if bits == 4:
+            deq = type(qw)(qw.q, qw.scale.to(dtype).float(), qw.zero.to(dtype).float()).dequantize()
+        else:
+            deq = qw.q.float() * qw.scale.to(dtype).float()[:, None]
+    ref = x.double() @ deq.double().t()
+    got = lin(x).double()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert (got - ref).abs().max() <= tol * ref.abs().max()
+    assert (deq - w).abs().max() < (0.02 if bits == 4 else 0.002)  # and quantizing loses little
+
+
+@pytest.mark.parametrize("make", ["int4", "int8", "packed"])
+def test_rows_do_not_depend_on_the_batch(make: str) -> None:
+    """A row computed alone equals the same row inside 2..64-row batches, bit for bit: what keeps a
+    decoded token and the same token verified in a chain equal."""
+    w = _weights(576, 576, seed=1)
+    lin = {"int4": lambda: Int4Linear(quantize_int4(w), None, torch.bfloat16),
+           "int8": lambda: Int8Linear(quantize_int8(w), None, torch.bfloat16),
+           "packed": lambda: PackedLinear(w.bfloat16(), None)}[make]()
+    x = torch.randn(64, 576).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(64)])
+    for m in (2, 9, 17, 33, 64):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+
+
+def _write_quantized_gguf(path, model, kind: T) -> None:  # noqa: ANN001
+    """A tiny llama GGUF whose layer projections are stored as ``kind`` blocks (llama.cpp's
+    permuted q/k rows), norms and embeddings as F32."""
+    from test_loader import _REV, _write_gguf
+
+    c = model.config
+    real_add = gguf.GGUFWriter.add_tensor
+
+    def add(self, name, tensor, *a, **kw):  # noqa: ANN001, ANN202
+        if name.startswith("blk.") and name.endswith(".weight") and tensor.ndim == 2:
+            return real_add(self, name, quantize(tensor, kind), raw_dtype=kind)
+        return real_add(self, name, tensor, *a, **kw)
+
+    gguf.GGUFWriter.add_tensor = add
+    try:
+        _write_gguf(path, "llama", model)
+    finally:
+        gguf.GGUFWriter.add_tensor = real_add
+    assert _REV and c.hidden_size % 32 == 0
+
+
+@pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_0, T.Q8_0])
+def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch, kind: T) -> None:  # noqa: ANN001
+    """--quantization auto keeps a GGUF's Q4_0/Q4_1 layers as int4 and Q8_0 as int8, and their
+    products equal those of the loader's de-quantized (dense) weights; none keeps them dense."""
+    from test_loader import _allow_gguf_without_accelerate, _tiny
+
+    from dspark.engine.engine import Engine
+
+    _allow_gguf_without_accelerate(monkeypatch)
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    model = _tiny("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    src = tmp_path / "q.gguf"
+    _write_quantized_gguf(src, model, kind)
+    dense = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32", quantization="none"))
+    kept = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32", quantization="auto"))
+    want = Int8Linear if kind == T.Q8_0 else Int4Linear
+    assert set(kept.quantization) == {want.__name__} and kept.quantization[want.__name__]["count"] == 8
+    x = torch.randn(3, 96)
+    for a, b in zip(dense.model.layers, kept.model.layers):
+        for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            da, qb = a.get_submodule(path), b.get_submodule(path)
+            assert isinstance(qb, want)
+            xi = x[:, :da.in_features]
+            tol = 1e-5 if kind != T.Q8_0 else 0.01  # Q8_0: one scale per row instead of per block
+            torch.testing.assert_close(qb(xi), da(xi), atol=tol * da(xi).abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("quant,dtype", [("int4", "float32"), ("int8", "float32"), ("int4", "bfloat16"),
+                                         ("none", "bfloat16")])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_speculative_equals_plain_quantized(folders, quant: str, dtype: str, tree: bool) -> None:  # noqa: ANN001
+    """Greedy DSpark speculation on a quantized target gives plain decoding's tokens of that same
+    quantized target (the tiny safetensors target, quantized at load)."""
+    prompts = alphabet_prompts([15, 24, 33, 40], seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
+    plain = make_engine(folders["target"], "none", quantization=quant, dtype=dtype)
+    want = {"int4": "Int4Linear", "int8": "Int8Linear", "none": "PackedLinear"}[quant]
+    assert set(plain.quantization) == {want}
+    ref = run_requests(plain, [(p, sp, None) for p in prompts])
+    spec = make_engine(folders["target"], folders["dspark"], quantization=quant, dtype=dtype, tree=tree)
+    outs = run_requests(spec, [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert spec.spec_stats.accepted > 0
+
+
+def test_bad_quantization_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown quantization 'int3': choose auto, none, int8, int4"):
+        EngineConfig(quantization="int3").validate()
+    with pytest.raises(ValueError, match="choose auto, none, int8, int4"):
+        quantize_model(torch.nn.Module(), "fp8")
+    r = subprocess.run([sys.executable, "-m", "dspark.cli", "generate", "--prompt", "hi", "--quantization", "q4"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice: 'q4'" in r.stderr and "'int4'" in r.stderr

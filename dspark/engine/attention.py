@@ -50,6 +50,7 @@ class _Group:
     out_rows: torch.Tensor  # rows of the flattened [S * Qmax] output that are real queries
     dest: torch.Tensor  # where those rows go in the [N] output
     short: bool  # decode steps and verification chains/trees (exact), not long prefill chunks
+    dense: bool = False  # the only group, no padding: q and the output need no re-indexing
 
 
 class TorchAttention:
@@ -90,6 +91,8 @@ class TorchAttention:
             groups.setdefault((bucket, tree), []).append(i)
         self.groups = [self._plan_group(batch, idx, starts, exact=bucket < len(self.BUCKETS) or tree)
                        for (bucket, tree), idx in sorted(groups.items())]
+        if len(self.groups) == 1 and len(set(batch.q_lens)) == 1:  # e.g. every request decoding one token
+            self.groups[0].dense = True
 
     @staticmethod
     def _is_tree(batch: AttnBatch, i: int) -> bool:
@@ -136,10 +139,11 @@ class TorchAttention:
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
         N, H, D = q.shape
-        qz = torch.cat([q, q.new_zeros(1, H, D)])
+        g0 = self.groups[0]
+        qz = None if g0.dense else torch.cat([q, q.new_zeros(1, H, D)])
         out = q.new_empty(N, H, D) if len(self.groups) > 1 else None
         for g in self.groups:
-            qp = qz[g.q_index]  # [S, Qmax, H, D]
+            qp = q.view(g.q_index.shape[0], -1, H, D) if g.dense else qz[g.q_index]  # [S, Qmax, H, D]
             kp = k_cache[g.gather]  # [S, Lmax, Hkv, D]
             vp = v_cache[g.gather]
             if cpu_reduced_precision(qp) and g.mask is not None:
@@ -152,7 +156,9 @@ class TorchAttention:
             o = F.scaled_dot_product_attention(
                 qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                 attn_mask=g.mask, scale=scale, enable_gqa=H != k.shape[1]).to(q.dtype)
-            o = o.transpose(1, 2).reshape(-1, H, D)[g.out_rows]
+            o = o.transpose(1, 2).reshape(-1, H, D)
+            if not g.dense:
+                o = o[g.out_rows]
             if out is None:
                 return o
             out[g.dest] = o

@@ -155,3 +155,48 @@ def test_bad_quantization_is_a_clear_error() -> None:
     r = subprocess.run([sys.executable, "-m", "dspark.cli", "generate", "--prompt", "hi", "--quantization", "q4"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice: 'q4'" in r.stderr and "'int4'" in r.stderr
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_prompt_rows_take_the_dense_copy(bits: int) -> None:
+    """In a pass mixing prompt rows and decoded rows, decoded rows get exactly the weight-only
+    kernel's bits (as in a pass of their own) and prompt rows the dense copy's."""
+    from dspark.models.quant import RowSplit
+
+    w = _weights(192, 128, seed=2)
+    qw = quantize_int4(w) if bits == 4 else quantize_int8(w)
+    lin = (Int4Linear if bits == 4 else Int8Linear)(qw, torch.randn(192) * 0.1, torch.bfloat16, True)
+    x = torch.randn(3 + 40 + 9, 128).bfloat16()  # a decode row, a prompt chunk of 40, a chain of 9
+    rows = RowSplit.of([3, 40, 9], [False, True, False], torch.device("cpu"))
+    y = lin(x, rows)
+    rest = torch.cat([x[:3], x[43:]])
+    assert torch.equal(torch.cat([y[:3], y[43:]]), lin(rest))
+    assert torch.equal(y[3:43], lin.prefill(x[3:43]))
+    assert torch.equal(lin(x[3:43], RowSplit.of([40], [True], torch.device("cpu"))), y[3:43])
+    assert RowSplit.of([3, 9], [False, False], torch.device("cpu")) is None
+    # the dense copy holds the same (de-quantized) weights: equal up to bf16 rounding
+    torch.testing.assert_close(y[3:43].float(), lin(x[3:43]).float(), atol=0.05 * y.abs().max().item(), rtol=0)
+
+
+def test_speculative_equals_plain_with_prompts_beside_decodes(folders, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """bf16 int4 target, a small token budget: later prompts are prefilled in chunks beside
+    requests already decoding or verifying; outputs still equal plain decoding's."""
+    from dspark.models.quant import RowSplit
+
+    mixed = []
+    real = RowSplit.of.__func__
+
+    def of(cls, counts, is_prefill, device):  # noqa: ANN001, ANN202
+        mixed.append(any(is_prefill) and not all(is_prefill))
+        return real(cls, counts, is_prefill, device)
+
+    monkeypatch.setattr(RowSplit, "of", classmethod(of))
+    prompts = alphabet_prompts([15, 24, 33, 40, 47, 18], seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=24)
+    kw = dict(quantization="int4", dtype="bfloat16", max_num_batched_tokens=32)
+    ref = run_requests(make_engine(folders["target"], "none", **kw), [(p, sp, None) for p in prompts])
+    spec = make_engine(folders["target"], folders["dspark"], **kw)
+    outs = run_requests(spec, [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert spec.spec_stats.accepted > 0
+    assert sum(mixed) >= 4  # passes that held prompt rows and decoded rows together

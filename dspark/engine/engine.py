@@ -209,7 +209,8 @@ class Engine:
             works.append(Work(seq, "prefill", seq.all_ids[seq.num_cached:seq.num_cached + n], samples=final))
         items, rows, mask, masks, positions = layout(works)
         result = self.runner.forward(items, rows, capture=self.spec.capture_layers, mask=mask,
-                                     custom_masks=masks, positions=positions)
+                                     custom_masks=masks, positions=positions,
+                                     prefill=[w.kind == "prefill" for w in works])
         accept(works, result.logits, self.spec)
         attach_logprobs(works, result.logits)
         attach_prompt_logprobs(works, result.hidden, self.runner.model)

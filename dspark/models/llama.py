@@ -141,7 +141,7 @@ class Linear(nn.Linear):
     kernel sums in another order than its many-row one (measured: 16 of 198 rows differ for
     a 1536-wide input), so a decoded token would get other bits than the same token verified."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows=None) -> torch.Tensor:  # noqa: ANN001 - rows: quant.RowSplit
         if x.shape[0] == 1 and cpu_reduced_precision(x):
             return super().forward(x.expand(2, *x.shape[1:]).contiguous())[:1]
         return super().forward(x)
@@ -174,15 +174,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
         self.scale = self.hd ** -0.5
 
-    def forward(self, x, cos, sin, attn, k_cache, v_cache):
+    def forward(self, x, cos, sin, attn, k_cache, v_cache, rows=None):
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        q, k, v = self.qkv_proj(x, rows).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, k, v = q.view(n, self.nh, self.hd), k.view(n, self.nkv, self.hd), v.view(n, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attn.forward(q, k, v, k_cache, v_cache, self.scale)
-        return self.o_proj(o.reshape(n, -1))
+        return self.o_proj(o.reshape(n, -1), rows)
 
 
 class MLP(nn.Module):
@@ -193,9 +193,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, rows=None):
+        gate, up = self.gate_up_proj(x, rows).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, rows)
 
 
 class DecoderLayer(nn.Module):
@@ -208,9 +208,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, h, cos, sin, attn, k_cache, v_cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, attn, k_cache, v_cache, rows=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, k_cache, v_cache, rows)
+        return h + self.mlp(self.post_attention_layernorm(h), rows)
 
 
 class LlamaModel(nn.Module):
@@ -228,13 +228,14 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, kv,
-                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (final normed hidden [N, H], concatenated captured layers [N, m*H] or None)."""
+                capture: tuple[int, ...] = (), rows=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final normed hidden [N, H], concatenated captured layers [N, m*H] or None).
+        rows (a quant.RowSplit) tells quantized linears which rows are prompt tokens."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         taken = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, attn, kv.k[i], kv.v[i])
+            h = layer(h, cos, sin, attn, kv.k[i], kv.v[i], rows)
             if i in capture:
                 taken[i] = h
         # in the order the drafter lists its layers, which need not be sorted

@@ -98,46 +98,93 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
                                                "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class Int4Linear(nn.Module):
-    """Weight-only int4 linear: torch's packed CPU kernel over groups of 32."""
+@dataclass
+class RowSplit:
+    """Which rows of one forward are prompt (prefill) tokens. Quantized linears send those through
+    a dense copy of their weights (a GEMM: prompts are long) and every other row through the
+    weight-only kernel, whose cost grows with each row; a decoded or verified token so always
+    takes the same kernel, whatever shares its pass."""
 
-    def __init__(self, w: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__()
+    prefill: torch.Tensor | None  # row indices of prompt tokens (None: none)
+    rest: torch.Tensor | None  # the other rows (None: none)
+
+    @classmethod
+    def of(cls, counts: list[int], is_prefill: list[bool], device: torch.device) -> RowSplit | None:
+        """From per-sequence token counts and whether each sequence is prefilling; None when no
+        row is a prompt token (every linear then runs its kernel on the whole input)."""
+        if not any(is_prefill):
+            return None
+        flags = torch.tensor([p for n, p in zip(counts, is_prefill) for _ in range(n)], dtype=torch.bool)
+        idx = torch.arange(len(flags))
+        rest = idx[~flags]
+        return cls(idx[flags].to(device), rest.to(device) if len(rest) else None)
+
+
+class _WeightOnly(nn.Module):
+    """Shared forward of the weight-only kernels: bias, shapes, and the dense path for prompt rows."""
+
+    prefill: PackedLinear | None
+
+    def _attach(self, w: Int4Weight | Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
+                prefill_dense: bool) -> None:
         self.out_features, self.in_features = w.q.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.prefill = PackedLinear(w.dequantize().to(dtype), self.bias) if prefill_dense else None
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._kernel(x.contiguous())
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if rows is None or self.prefill is None:
+            y = self._quantized(x2)
+        elif rows.rest is None:
+            y = self.prefill(x2)
+        else:
+            y = x2.new_empty(x2.shape[0], self.out_features)
+            y[rows.rest] = self._quantized(x2[rows.rest])
+            y[rows.prefill] = self.prefill(x2[rows.prefill])
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(_WeightOnly):
+    """Weight-only int4 linear: torch's packed CPU kernel over groups of 32. prefill_dense keeps a
+    pre-packed dense copy (de-quantized from the same codes) for prompt rows."""
+
+    def __init__(self, w: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype, prefill_dense: bool = False):
+        super().__init__()
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 2))
         # [K / GROUP, N, 2]: the kernel reads scales and offsets in the activation dtype
-        self.register_buffer("scale_zero", torch.stack([w.scale.t(), w.zero.t()], -1).contiguous().to(dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        sz = torch.stack([w.scale.t(), w.zero.t()], -1).contiguous().to(dtype)
+        self.register_buffer("scale_zero", sz)
+        self._attach(Int4Weight(w.q, sz[..., 0].t().float(), sz[..., 1].t().float()), bias, dtype, prefill_dense)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).contiguous(), self.packed, GROUP,
-                                                       self.scale_zero)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
 
 
-class Int8Linear(nn.Module):
-    """Weight-only int8 linear with per-channel scales (``_weight_int8pack_mm``)."""
+class Int8Linear(_WeightOnly):
+    """Weight-only int8 linear with per-channel scales (``_weight_int8pack_mm``); prefill_dense as
+    for :class:`Int4Linear`."""
 
-    def __init__(self, w: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, w: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype, prefill_dense: bool = False):
         super().__init__()
-        self.out_features, self.in_features = w.q.shape
         self.register_buffer("q", w.q.contiguous())
         self.register_buffer("scale", w.scale.to(dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self._attach(Int8Weight(w.q, self.scale.float()), bias, dtype, prefill_dense)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.q, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
 
 # --------------------------------------------------------------------------- applying a mode
@@ -188,7 +235,8 @@ def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
         w = parts[1]  # the file's own codes, fused along the output dimension
     else:
         w = (quantize_int4 if kind == "int4" else quantize_int8)(lin.weight.detach().float())
-    return Int4Linear(w, lin.bias, dtype) if kind == "int4" else Int8Linear(w, lin.bias, dtype)
+    dense_copy = cpu_packable  # prompt rows need a GEMM; the weight-only kernels are row by row
+    return (Int4Linear if kind == "int4" else Int8Linear)(w, lin.bias, dtype, dense_copy)
 
 
 class _PackedHead(nn.Module):

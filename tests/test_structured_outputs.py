@@ -47,8 +47,9 @@ def test_json_schema_output_follows_the_schema(server, body):
 
 
 def test_json_object_choice_regex_and_grammar(server):
-    text, _ = _chat(server, {"response_format": {"type": "json_object"}, "max_tokens": 200})
-    assert isinstance(json.loads(text), dict)
+    ann = [{"role": "user", "content": "Write Ann (31) as a JSON object with the keys name and age."}]
+    text, out = _chat(server, {"response_format": {"type": "json_object"}, "max_tokens": 200, "messages": ann})
+    assert out["choices"][0]["finish_reason"] == "stop" and isinstance(json.loads(text), dict), text
     choices = ["red", "green", "blue (dark)"]
     for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
         text, _ = _chat(server, body)

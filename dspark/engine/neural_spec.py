@@ -20,6 +20,7 @@ from dspark.engine.spec import SpecRunner
 from dspark.engine.structured import DraftConstraint, TreeConstraint
 from dspark.engine.tree import DraftTree, build_trees
 from dspark.models.drafters.checkpoint import load_drafter
+from dspark.models.quant import pack_linears
 
 
 class NeuralSpecRunner(SpecRunner):
@@ -31,6 +32,8 @@ class NeuralSpecRunner(SpecRunner):
         super().__init__(cfg, engine)
         # frozen: the engine never trains it, and frozen heads keep float32 copies (MarkovHead)
         self.drafter = load_drafter(path, engine.model, engine.dtype, engine.device).requires_grad_(False)
+        pack_linears(self.drafter.layers)  # the backbone's projections; the heads' weights are read directly
+        pack_linears(self.drafter, only=("fc",))
         dc = self.drafter.config
         self.name = dc.kind
         if cfg.block_size is not None and cfg.block_size > dc.num_drafts:

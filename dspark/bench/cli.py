@@ -26,7 +26,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction,
     p = subparsers.add_parser(
         "bench", help="measure decode speed, TTFT and acceptance of several methods side by side",
         description="Run methods side by side on a prompts file in one process and print one JSON "
-                    f"object. Methods: {', '.join(METHODS)}. Decode speed excludes prefill. "
+                    f"object. Methods: {', '.join(METHODS)}. Decode speed excludes prefill. llamacpp: "
+                    "llama.cpp on the same GGUF (pip install llama-cpp-python), requests one at a time. "
                     "`dspark bench serve --help`: benchmark a running server over HTTP instead; "
                     "`dspark bench plot --help`: overlay saved serving reports; "
                     "`dspark bench roofline --help`: passes of a random model vs the bandwidth roofline.")
@@ -47,7 +48,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction,
                    help="run one method after another with one model in memory (default: all methods "
                         "loaded, taking turns per prompt group, so machine drift hits them alike)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+                   help="torch CPU threads, and llama.cpp's for --methods llamacpp (default: torch's choice; "
+                        "1 is steadier on a busy machine)")
     p.set_defaults(func=cmd_bench)
     modes = p.add_subparsers(dest="bench_mode", metavar="{serve,plot,roofline}",
                              help="optional sub-mode (none: the offline benchmark)")
@@ -68,6 +70,24 @@ def parse_methods(text: str) -> list[str]:
     if len(set(methods)) != len(methods):
         raise ValueError("--methods names a method twice")
     return methods
+
+
+RATIOS = (("vs ar", "speedup_vs_ar"), ("vs hf", "speedup_vs_hf"), ("vs llama.cpp", "vs_llamacpp"))
+
+
+def format_methods(report: dict) -> str:
+    """The offline report's methods as a short aligned table (decode tok/s, TTFT, ratios present)."""
+    methods = report["methods"]
+    ratios = [(t, k) for t, k in RATIOS if any(k in m for m in methods.values())]
+    heads = ["method", "decode tok/s", "TTFT ms", "tokens"] + [t for t, _ in ratios]
+    rows = [[name, *(("error", "", "") if "error" in m else (m["decode_tok_s"], m["ttft_ms"], m["tokens"])),
+             *(m.get(k, "") for _, k in ratios)] for name, m in methods.items()]
+    cells = [heads] + [["-" if v is None else str(v) for v in row] for row in rows]
+    width = [max(len(r[i]) for r in cells) for i in range(len(heads))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))) for r in cells]
+    if "llamacpp" in methods and report.get("batch_size", 1) > 1:
+        lines.append("(llamacpp runs a batch's requests one after another: llama-cpp-python has no batched generate)")
+    return "\n".join(lines)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -94,6 +114,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report["category"] = args.category
     text = json.dumps(report, indent=2)
     print(text)
+    print(format_methods(report), file=sys.stderr)
     if args.output:
         pathlib.Path(args.output).write_text(text + "\n", encoding="utf-8")
     failed = [m for m, r in report["methods"].items() if "error" in r]

@@ -1,7 +1,8 @@
 """Offline benchmark: run methods side by side on one prompt set, in one process.
 
 Methods: ``hf`` (transformers ``generate``, greedy), ``ar`` (our engine, no drafter), ``ngram``,
-``dspark`` (the configured or default drafter) and ``dspark-tree`` (the same, tree verification).
+``dspark`` (the configured or default drafter), ``dspark-tree`` (the same, tree verification) and
+``llamacpp`` (llama.cpp on the same GGUF, one request at a time; see :mod:`dspark.bench.llamacpp`).
 
 Timing definitions (prefill excluded from decode speed):
 
@@ -9,9 +10,10 @@ Timing definitions (prefill excluded from decode speed):
 * Our engine: a group is one ``LLM.generate`` call, timed with ``time.perf_counter`` from ``t0``
   (before) to ``t1`` (after). A request's first token lands at ``t0 + ttft`` (arrival is stamped in
   ``add_request`` just after ``t0``; prompts are pre-tokenized, so this errs by microseconds towards
-  a longer window). Decode window = ``t1 - (t0 + max ttft)``: last first token to the end.
+  a longer window). Decode window = ``t1 - (t0 + min ttft)``: first first token to the end.
 * HF: ``generate(max_new_tokens=1)`` on the same batch gives the group's TTFT; the decode window
   is the full ``generate`` time minus that TTFT.
+* llama.cpp: per request, TTFT = prompt eval + first token, decode window = first to last token.
 * ``decode_tok_s`` = sum over groups of (generated tokens - 1 per request) / sum of decode windows.
 * ``draft_share`` (speculative methods) = seconds in the drafter's proposals / sum of decode windows.
 * Order: by default every method is loaded at once and each group is run by every method in
@@ -31,10 +33,11 @@ from typing import Any
 
 import torch
 
+from dspark.bench.llamacpp import LlamaCppMethod, check_llamacpp
 from dspark.bench.prompts import default_prompts_path, load_prompts  # noqa: F401  (re-exported)
 from dspark.config import EngineConfig, SamplingParams
 
-METHODS = ("hf", "ar", "ngram", "dspark", "dspark-tree")
+METHODS = ("hf", "ar", "ngram", "dspark", "dspark-tree", "llamacpp")
 SPEC_METHODS = ("ngram", "dspark", "dspark-tree")
 # SpecConfig overrides per engine method; "dspark" keeps --drafter (None: the engine's default)
 ENGINE_METHODS: dict[str, dict[str, Any]] = {"ar": {"drafter": "none", "tree": False},
@@ -54,6 +57,7 @@ class MethodRun:
     stats: list[Any] | None = None  # SpecStats per request (our engine only)
     drafter: str | None = None  # the spec runner the engine picked (our engine only)
     draft_time: float = 0.0  # seconds in the drafter's proposals (our engine only)
+    info: dict[str, Any] | None = None  # settings reported with the method's figures (llamacpp)
 
 
 def encode_prompts(tokenizer: Any, prompts: list[str], chat: bool) -> list[list[int]]:
@@ -194,7 +198,7 @@ def _spec_summary(stats: list[Any]) -> dict[str, Any]:
 
 
 def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[str, Any]:
-    """The reported numbers for one method; ``ref`` holds the ``ar`` and ``hf`` runs when made."""
+    """The reported numbers for one method; ``ref`` holds the ``ar``, ``hf`` and ``llamacpp`` runs when made."""
     tok_s = run.decode_tokens / run.decode_time if run.decode_time > 0 else None
     out: dict[str, Any] = {
         "decode_tok_s": round(tok_s, 2) if tok_s else None,
@@ -204,6 +208,7 @@ def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[st
         "load_s": round(run.load_s, 3), "matches_ar": None}
     if run.drafter is not None:
         out["drafter"] = run.drafter
+    out.update(run.info or {})
     ar = ref.get("ar")
     if ar is not None and run.token_ids:
         same = sum(a == b for a, b in zip(run.token_ids, ar.token_ids))
@@ -212,10 +217,10 @@ def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[st
         out.update(_spec_summary(run.stats))
         if run.draft_time > 0 and run.decode_time > 0:  # how much of decoding the drafter itself costs
             out["draft_share"] = round(run.draft_time / run.decode_time, 4)
-    for name in ("ar", "hf"):
-        other = ref.get(name)
-        if method != name and other is not None and tok_s and other.decode_time > 0 and other.decode_tokens:
-            out[f"speedup_vs_{name}"] = round(tok_s / (other.decode_tokens / other.decode_time), 3)
+    for name, key in (("ar", "speedup_vs_ar"), ("hf", "speedup_vs_hf"), ("llamacpp", "vs_llamacpp")):
+        other = ref.get(name)  # llamacpp: every method's baseline column, itself included (1.0)
+        if (method != name or name == "llamacpp") and other and tok_s and other.decode_time > 0 and other.decode_tokens:
+            out[key] = round(tok_s / (other.decode_tokens / other.decode_time), 3)
     return out
 
 
@@ -262,12 +267,15 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
 
     t_start = time.perf_counter()
     load_before = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    gguf = check_llamacpp(cfg.model) if "llamacpp" in methods else None  # before any model loads
     folder = resolve_model_folder(cfg.model)
     prompt_ids = encode_prompts(load_tokenizer(folder), prompts, chat)
 
-    def load(method: str) -> EngineMethod | HFMethod:
+    def load(method: str) -> EngineMethod | HFMethod | LlamaCppMethod:
         if method == "hf":
             return HFMethod(cfg, folder, max_tokens)
+        if method == "llamacpp":
+            return LlamaCppMethod(gguf, folder, max_tokens, n_ctx=max(map(len, prompt_ids)) + max_tokens)
         return EngineMethod(method_config(cfg, method), max_tokens)
 
     errors: dict[str, str] = {}
@@ -279,7 +287,7 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
         for method in methods:
             runs.update(_measure_interleaved(load, [method], groups, warm, errors))
             _free(device)
-    ref = {k: runs[k] for k in ("ar", "hf") if k in runs}
+    ref = {k: runs[k] for k in ("ar", "hf", "llamacpp") if k in runs}
     results = {m: ({"error": errors[m]} if m in errors else summarize(m, runs[m], ref)) for m in methods}
     return {
         "device": device, "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),

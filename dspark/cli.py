@@ -20,7 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-assist-max-len", type=int, default=None,
                    help="longest looked-up chain: a chain starts a block long and doubles while "
                         "accepted whole (default and most: 32; an explicit --block-size caps it)")
-    p.add_argument("--spec-policy", default=None, choices=["fixed", "threshold", "load-aware"])
+    p.add_argument("--spec-policy", default=None, choices=["fixed", "threshold", "load-aware"],
+                   help="how many draft tokens to verify (default for serve, bench and generate: load-aware)")
     p.add_argument("--threshold", type=float, default=None,
                    help="confidence cut for --spec-policy threshold (default: 0.5)")
     p.add_argument("--dtype", default="auto",
@@ -102,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)  # checked before the model loads
-    config = engine_config(args)
+    config = engine_config(args, default_policy="load-aware")  # as `dspark serve`
     config.validate()  # a wrong path or flag fails here, before any weights load
     llm = LLM.from_config(config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt

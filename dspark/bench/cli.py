@@ -106,7 +106,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if path is None:
         raise FileNotFoundError("no default prompts file (../shared/data/dev_prompts.jsonl); pass --prompts")
     prompts = load_prompts(path, args.num_prompts, args.category)
-    cfg = engine_config(args, tree_by_method="dspark-tree" in methods)
+    # load-aware by default, as `dspark serve`: the bench shows what serving delivers
+    cfg = engine_config(args, default_policy="load-aware", tree_by_method="dspark-tree" in methods)
     report = run_bench(cfg, methods, prompts, batch_size=args.batch_size,
                        max_tokens=args.max_tokens, warmup=args.warmup, chat=args.chat,
                        interleave=not args.sequential)

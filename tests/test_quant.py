@@ -104,8 +104,8 @@ def _write_quantized_gguf(path, model, kind: T) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_0, T.Q8_0])
 def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch, kind: T) -> None:  # noqa: ANN001
-    """--quantization auto keeps a GGUF's Q4_0/Q4_1 layers as int4 and Q8_0 as int8, and their
-    products equal those of the loader's de-quantized (dense) weights; none keeps them dense."""
+    """--quantization auto keeps a GGUF's Q4_0/Q4_1 layers as int4 and Q8_0 as int8 (in bf16), and
+    their products equal those of the loader's de-quantized (dense) weights."""
     from test_loader import _allow_gguf_without_accelerate, _tiny
 
     from dspark.engine.engine import Engine
@@ -115,10 +115,14 @@ def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch
     model = _tiny("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     src = tmp_path / "q.gguf"
     _write_quantized_gguf(src, model, kind)
-    dense = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32", quantization="none"))
-    kept = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32", quantization="auto"))
     want = Int8Linear if kind == T.Q8_0 else Int4Linear
-    assert set(kept.quantization) == {want.__name__} and kept.quantization[want.__name__]["count"] == 8
+    auto = Engine(EngineConfig(model=str(src), device="cpu", dtype="bfloat16", quantization="auto"))
+    assert set(auto.quantization) == {want.__name__} and auto.quantization[want.__name__]["count"] == 8
+    # float32 (exact arithmetic to compare): auto stays dense there, so the kind is asked for
+    dense = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32", quantization="auto"))
+    assert set(dense.quantization) == {"Linear"}
+    kept = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32",
+                               quantization="int8" if kind == T.Q8_0 else "int4"))
     x = torch.randn(3, 96)
     for a, b in zip(dense.model.layers, kept.model.layers):
         for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):

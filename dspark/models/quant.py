@@ -188,11 +188,13 @@ class Int8Linear(_WeightOnly):
 
 
 # --------------------------------------------------------------------------- applying a mode
-def _resolve(mode: str, file_kind: str | None, device: torch.device) -> str:
+def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cpu" or mode == "none":
         return "none"
     if mode != "auto":
         return mode
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "none"  # torch's weight-only CPU kernels are several times slower than dense in fp32
     return {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
 
 
@@ -206,6 +208,8 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
     dtype = next(model.parameters()).dtype
     if mode in ("int4", "int8") and dev.type != "cpu":
         log.warning("--quantization %s has no %s kernel yet: the layers stay dense %s", mode, dev.type, dtype)
+    elif mode in ("int4", "int8") and dtype == torch.float32:
+        log.warning("--quantization %s in float32 runs torch's slow weight-only path; bf16 is the fast one", mode)
     summary: dict[str, list[int]] = {}
     file_weights = file_weights or {}
     for i, layer in enumerate(model.layers):
@@ -215,7 +219,7 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
             lin = getattr(parent, attr)
             full = f"layers.{i}.{path}"
             parts = file_weights.get(full)
-            kind = _resolve(mode, parts[0] if parts else None, dev)
+            kind = _resolve(mode, parts[0] if parts else None, dev, dtype)
             new = _build(lin, kind, parts, dtype)
             setattr(parent, attr, new)
             stats = summary.setdefault(type(new).__name__, [0, 0])
@@ -229,6 +233,10 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
 
 def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
     cpu_packable = lin.weight.device.type == "cpu" and cpu_reduced_precision(lin.weight)
+    if kind == "int4" and lin.in_features % GROUP:
+        log.warning("a %d-wide input does not split into int4 groups of %d: that layer stays dense",
+                    lin.in_features, GROUP)
+        kind = "none"
     if kind == "none":
         return PackedLinear(lin.weight, lin.bias) if cpu_packable else lin
     if parts is not None and (kind == "int4") == parts[0].startswith("Q4"):

@@ -273,7 +273,20 @@ def quantize_target(model: nn.Module, mode: str, model_arg: str | None) -> dict:
         parts = gguf_linear_parts(gguf)
     summary = quantize_model(model, mode, parts)
     log.info("decoder-layer linears (--quantization %s): %s", mode, summary)
+    _return_freed_heap()
     return summary
+
+
+def _return_freed_heap() -> None:
+    """Loading and quantizing free a few hundred MB of float32 copies that glibc keeps mapped;
+    hand them back to the OS so the server's resident set shows what it holds."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass
 
 
 def pack_linears(module: nn.Module, only: tuple[str, ...] | None = None) -> int:

@@ -210,6 +210,12 @@ class SpecConfig:
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 
 
+def check_quantization(mode: str) -> None:
+    """ValueError naming the choices when ``mode`` is not one of them."""
+    if mode not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown quantization {mode!r}: choose {', '.join(QUANTIZATION_CHOICES)}")
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run natively (2-3x fp32 for the small batches of
     decoding); elsewhere torch emulates them and fp32 is faster."""
@@ -256,8 +262,7 @@ class EngineConfig:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}: choose torch, flashinfer or auto")
         if self.cuda_graph_batch_sizes is not None and any(b < 1 for b in self.cuda_graph_batch_sizes):
             raise ValueError(f"cuda_graph_batch_sizes must be >= 1, got {self.cuda_graph_batch_sizes}")
-        if self.quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"unknown quantization {self.quantization!r}: choose {', '.join(QUANTIZATION_CHOICES)}")
+        check_quantization(self.quantization)
         self.resolved_dtype()
         import torch
 

@@ -20,7 +20,8 @@ from spec_helpers import alphabet_prompts, make_engine, run_requests
 
 from dspark.config import EngineConfig, SamplingParams
 from dspark.models.gguf_blocks import gguf_blocks
-from dspark.models.quant import Int4Linear, Int8Linear, PackedLinear, quantize_int4, quantize_int8, quantize_model
+from dspark.models.packed import PackedLinear
+from dspark.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -67,15 +68,17 @@ def test_quantized_matmul_matches_dequantized_reference(bits: int, dtype: torch.
     assert (deq - w).abs().max() < (0.02 if bits == 4 else 0.002)  # and quantizing loses little
 
 
+@pytest.mark.parametrize("shape", [(576, 576), (576, 1536)], ids=["576x576", "576x1536"])
 @pytest.mark.parametrize("make", ["int4", "int8", "packed"])
-def test_rows_do_not_depend_on_the_batch(make: str) -> None:
+def test_rows_do_not_depend_on_the_batch(make: str, shape: tuple[int, int]) -> None:
     """A row computed alone equals the same row inside 2..64-row batches, bit for bit: what keeps a
-    decoded token and the same token verified in a chain equal."""
-    w = _weights(576, 576, seed=1)
+    decoded token and the same token verified in a chain equal (SmolLM2's shapes; oneDNN's
+    pre-packed kernel can reorder a row's sum past ~128 rows, the weight-only kernels never)."""
+    w = _weights(*shape, seed=1)
     lin = {"int4": lambda: Int4Linear(quantize_int4(w), None, torch.bfloat16),
            "int8": lambda: Int8Linear(quantize_int8(w), None, torch.bfloat16),
            "packed": lambda: PackedLinear(w.bfloat16(), None)}[make]()
-    x = torch.randn(64, 576).bfloat16()
+    x = torch.randn(64, shape[1]).bfloat16()
     alone = torch.cat([lin(x[i:i + 1]) for i in range(64)])
     for m in (2, 9, 17, 33, 64):
         assert torch.equal(lin(x[:m]), alone[:m]), m
@@ -165,19 +168,21 @@ def test_bad_quantization_is_a_clear_error() -> None:
 def test_prompt_rows_take_the_dense_copy(bits: int) -> None:
     """In a pass mixing prompt rows and decoded rows, decoded rows get exactly the weight-only
     kernel's bits (as in a pass of their own) and prompt rows the dense copy's."""
-    from dspark.models.quant import RowSplit
+    from dspark.models.packed import RowSplit
 
     w = _weights(192, 128, seed=2)
     qw = quantize_int4(w) if bits == 4 else quantize_int8(w)
     lin = (Int4Linear if bits == 4 else Int8Linear)(qw, torch.randn(192) * 0.1, torch.bfloat16, True)
     x = torch.randn(3 + 40 + 9, 128).bfloat16()  # a decode row, a prompt chunk of 40, a chain of 9
-    rows = RowSplit.of([3, 40, 9], [False, True, False], torch.device("cpu"))
+    rows = RowSplit.of([3, 40, 9], [0, 40, 0], torch.device("cpu"))
     y = lin(x, rows)
     rest = torch.cat([x[:3], x[43:]])
     assert torch.equal(torch.cat([y[:3], y[43:]]), lin(rest))
     assert torch.equal(y[3:43], lin.prefill(x[3:43]))
-    assert torch.equal(lin(x[3:43], RowSplit.of([40], [True], torch.device("cpu"))), y[3:43])
-    assert RowSplit.of([3, 9], [False, False], torch.device("cpu")) is None
+    assert torch.equal(lin(x[3:43], RowSplit.of([40], [40], torch.device("cpu"))), y[3:43])
+    assert RowSplit.of([3, 9], [0, 0], torch.device("cpu")) is None
+    part = RowSplit.of([5, 4], [0, 3], torch.device("cpu"))  # a re-prefill: 3 prompt tokens, 1 generated
+    assert part.prefill.tolist() == [5, 6, 7] and part.rest.tolist() == [0, 1, 2, 3, 4, 8]
     # the dense copy holds the same (de-quantized) weights: equal up to bf16 rounding
     torch.testing.assert_close(y[3:43].float(), lin(x[3:43]).float(), atol=0.05 * y.abs().max().item(), rtol=0)
 
@@ -185,14 +190,14 @@ def test_prompt_rows_take_the_dense_copy(bits: int) -> None:
 def test_speculative_equals_plain_with_prompts_beside_decodes(folders, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """bf16 int4 target, a small token budget: later prompts are prefilled in chunks beside
     requests already decoding or verifying; outputs still equal plain decoding's."""
-    from dspark.models.quant import RowSplit
+    from dspark.models.packed import RowSplit
 
     mixed = []
     real = RowSplit.of.__func__
 
-    def of(cls, counts, is_prefill, device):  # noqa: ANN001, ANN202
-        mixed.append(any(is_prefill) and not all(is_prefill))
-        return real(cls, counts, is_prefill, device)
+    def of(cls, counts, prompt_rows, device):  # noqa: ANN001, ANN202
+        mixed.append(any(prompt_rows) and any(p < n for n, p in zip(counts, prompt_rows)))
+        return real(cls, counts, prompt_rows, device)
 
     monkeypatch.setattr(RowSplit, "of", classmethod(of))
     prompts = alphabet_prompts([15, 24, 33, 40, 47, 18], seed=5)
@@ -204,3 +209,16 @@ def test_speculative_equals_plain_with_prompts_beside_decodes(folders, monkeypat
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert spec.spec_stats.accepted > 0
     assert sum(mixed) >= 4  # passes that held prompt rows and decoded rows together
+
+
+def test_speculative_equals_plain_int4_under_preemption(folders) -> None:  # noqa: ANN001
+    """bf16 int4, a pool small enough to preempt: a request prefilled again feeds its generated
+    tokens through the int4 kernel they were decoded with, so outputs still equal plain ones."""
+    prompts = alphabet_prompts([15, 16, 17, 24, 31, 32, 33, 40], seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=40)
+    kw = dict(quantization="int4", dtype="bfloat16", kv_cache_tokens=16 * 14, max_num_batched_tokens=40)
+    ref = run_requests(make_engine(folders["target"], "none", **kw), [(p, sp, None) for p in prompts])
+    spec = make_engine(folders["target"], folders["dspark"], ngram_assist=0, **kw)
+    outs = run_requests(spec, [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert spec.num_preemptions > 0 and spec.spec_stats.accepted > 0

@@ -210,7 +210,7 @@ class Engine:
         items, rows, mask, masks, positions = layout(works)
         result = self.runner.forward(items, rows, capture=self.spec.capture_layers, mask=mask,
                                      custom_masks=masks, positions=positions,
-                                     prefill=[w.kind == "prefill" for w in works])
+                                     prompt_rows=[w.prompt_rows for w in works])
         accept(works, result.logits, self.spec)
         attach_logprobs(works, result.logits)
         attach_prompt_logprobs(works, result.hidden, self.runner.model)
@@ -317,3 +317,4 @@ class Engine:
             if seq.is_finished:
                 self.seqs.pop(seq.request_id, None)
         return outs
+

@@ -10,7 +10,7 @@ from dspark.engine.attention import AttnBatch
 from dspark.engine.cuda_graphs import GraphPool
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.sequence import Sequence
-from dspark.models.quant import RowSplit
+from dspark.models.packed import RowSplit
 
 
 @dataclass
@@ -48,15 +48,16 @@ class ModelRunner:
     def forward(self, items: list[tuple[Sequence, list[int]]], logit_rows: list[int],
                 capture: tuple[int, ...] = (), mask: str = "causal",
                 custom_masks: list | None = None, positions: torch.Tensor | None = None,
-                prefill: list[bool] | None = None) -> ForwardResult:
-        """prefill[i]: item i feeds prompt tokens (quantized linears take their dense path for them)."""
+                prompt_rows: list[int] | None = None) -> ForwardResult:
+        """prompt_rows[i]: how many leading tokens of item i are prompt tokens (quantized linears
+        take their dense path for those)."""
         batch, ids, pos = self.batch_layout(items, mask, custom_masks)
         if positions is not None:
             pos = positions.to(self.device)
         out = self._graph_forward(batch, ids, capture, positions is not None)
         if out is None:
             self.attn.plan(batch)
-            rows = RowSplit.of(batch.q_lens, prefill, self.device) if prefill else None
+            rows = RowSplit.of(batch.q_lens, prompt_rows, self.device) if prompt_rows else None
             out = self.model(ids, pos, self.attn, self.kv, capture, rows)
         hidden, feats = out
         logits = None

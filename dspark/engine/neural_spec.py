@@ -20,7 +20,7 @@ from dspark.engine.spec import SpecRunner
 from dspark.engine.structured import DraftConstraint, TreeConstraint
 from dspark.engine.tree import DraftTree, build_trees
 from dspark.models.drafters.checkpoint import load_drafter
-from dspark.models.quant import pack_linears
+from dspark.models.packed import pack_linears
 
 
 class NeuralSpecRunner(SpecRunner):

@@ -41,6 +41,14 @@ class Work:
         return list(range(start, start + len(self.tokens)))
 
     @property
+    def prompt_rows(self) -> int:
+        """Leading tokens that are prompt tokens: quantized linears take their dense path for them
+        (a request prefilled again after a preemption also feeds tokens it had generated)."""
+        if self.kind != "prefill":
+            return 0
+        return max(0, min(len(self.tokens), len(self.seq.prompt_ids) - self.seq.num_cached))
+
+    @property
     def num_logit_rows(self) -> int:
         if self.kind == "decode":
             return len(self.tokens)

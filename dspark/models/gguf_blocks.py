@@ -51,8 +51,8 @@ def _cat(ws: list[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
 
 
 def gguf_linear_parts(path: str) -> dict[str, tuple[str, Int4Weight | Int8Weight]]:
-    """Fused layer linears whose GGUF parts all share one kept type (Q4_0, Q4_1 or Q8_0):
-    ``layers.3.mlp.gate_up_proj`` -> (type, codes and scales in the model's row order)."""
+    """Fused layer linears whose GGUF parts all share one kept layout ("Q4" for Q4_0/Q4_1, or
+    "Q8_0"): ``layers.3.mlp.gate_up_proj`` -> (layout, codes and scales in the model's row order)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -72,7 +72,8 @@ def gguf_linear_parts(path: str) -> dict[str, tuple[str, Int4Weight | Int8Weight
         found.setdefault(f"layers.{layer}.{fused}", {})[slot] = (kind, gguf_blocks(raw, kind, shape))
     out = {}
     for name, slots in found.items():
-        kinds = {k for k, _ in slots.values()}
+        # Q4_0 and Q4_1 share one layout (codes, scale, offset): a layer may mix them
+        kinds = {"Q4" if k.startswith("Q4") else k for k, _ in slots.values()}
         if len(slots) == _PARTS[name.split(".", 2)[2]] and len(kinds) == 1:
             out[name] = (kinds.pop(), _cat([slots[i][1] for i in sorted(slots)]))
     return out

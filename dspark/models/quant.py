@@ -28,19 +28,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dspark.config import QUANTIZATION_CHOICES
+from dspark.config import check_quantization
 from dspark.models.llama import Linear, cpu_reduced_precision
+from dspark.models.packed import PackedHead, PackedLinear, RowSplit
 
 log = logging.getLogger(__name__)
 
 GROUP = 32  # GGUF's block length, and the int4 group length used when quantizing at load
 _LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
-
-def check_quantization(mode: str) -> None:
-    """Raise ValueError naming the choices when ``mode`` is not one of them."""
-    if mode not in QUANTIZATION_CHOICES:
-        raise ValueError(f"unknown quantization {mode!r}: choose {', '.join(QUANTIZATION_CHOICES)}")
 
 
 # --------------------------------------------------------------------------- quantized tensors
@@ -87,45 +82,6 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
 
 
 # --------------------------------------------------------------------------- linear modules
-class PackedLinear(nn.Module):
-    """A dense bf16/fp16 linear on CPU with its weight re-laid once into oneDNN's blocked
-    format; each output row depends only on its input row (checked by the tests for the
-    layer shapes), so one-row calls need no two-row detour."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
-                                               "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-@dataclass
-class RowSplit:
-    """Which rows of one forward are prompt (prefill) tokens. Quantized linears send those through
-    a dense copy of their weights (a GEMM: prompts are long) and every other row through the
-    weight-only kernel, whose cost grows with each row; a decoded or verified token so always
-    takes the same kernel, whatever shares its pass."""
-
-    prefill: torch.Tensor | None  # row indices of prompt tokens (None: none)
-    rest: torch.Tensor | None  # the other rows (None: none)
-
-    @classmethod
-    def of(cls, counts: list[int], is_prefill: list[bool], device: torch.device) -> RowSplit | None:
-        """From per-sequence token counts and whether each sequence is prefilling; None when no
-        row is a prompt token (every linear then runs its kernel on the whole input)."""
-        if not any(is_prefill):
-            return None
-        flags = torch.tensor([p for n, p in zip(counts, is_prefill) for _ in range(n)], dtype=torch.bool)
-        idx = torch.arange(len(flags))
-        rest = idx[~flags]
-        return cls(idx[flags].to(device), rest.to(device) if len(rest) else None)
-
-
 class _WeightOnly(nn.Module):
     """Shared forward of the weight-only kernels: bias, shapes, and the dense path for prompt rows."""
 
@@ -195,7 +151,7 @@ def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torc
         return mode
     if dtype not in (torch.bfloat16, torch.float16):
         return "none"  # torch's weight-only CPU kernels are several times slower than dense in fp32
-    return {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
+    return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
 
 
 def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[str, object]] | None = None) -> dict:
@@ -227,7 +183,7 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
             stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
             stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
     if dev.type == "cpu" and cpu_reduced_precision(model.lm_head.weight):
-        model.lm_head = _PackedHead(model.lm_head)
+        model.lm_head = PackedHead(model.lm_head)
     return {k: {"count": c, "bytes": b} for k, (c, b) in summary.items()}
 
 
@@ -239,25 +195,12 @@ def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
         kind = "none"
     if kind == "none":
         return PackedLinear(lin.weight, lin.bias) if cpu_packable else lin
-    if parts is not None and (kind == "int4") == parts[0].startswith("Q4"):
+    if parts is not None and (kind == "int4") == (parts[0] == "Q4"):
         w = parts[1]  # the file's own codes, fused along the output dimension
     else:
         w = (quantize_int4 if kind == "int4" else quantize_int8)(lin.weight.detach().float())
     dense_copy = cpu_packable  # prompt rows need a GEMM; the weight-only kernels are row by row
     return (Int4Linear if kind == "int4" else Int8Linear)(w, lin.bias, dtype, dense_copy)
-
-
-class _PackedHead(nn.Module):
-    """The LM head as a pre-packed linear that still exposes ``weight`` (tied to the embedding,
-    and read by drafters that share the target's head)."""
-
-    def __init__(self, head: nn.Linear):
-        super().__init__()
-        self.weight = head.weight
-        self.linear = PackedLinear(head.weight, head.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
 
 
 def quantize_target(model: nn.Module, mode: str, model_arg: str | None) -> dict:
@@ -269,7 +212,8 @@ def quantize_target(model: nn.Module, mode: str, model_arg: str | None) -> dict:
     check_quantization(mode)
     parts = None
     on_cpu = next(model.parameters()).device.type == "cpu"
-    if mode != "none" and on_cpu and (gguf := source_gguf(model_arg)) is not None:
+    reduced = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    if (mode in ("int4", "int8") or (mode == "auto" and reduced)) and on_cpu and (gguf := source_gguf(model_arg)):
         parts = gguf_linear_parts(gguf)
     summary = quantize_model(model, mode, parts)
     log.info("decoder-layer linears (--quantization %s): %s", mode, summary)
@@ -287,20 +231,3 @@ def _return_freed_heap() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
         pass
-
-
-def pack_linears(module: nn.Module, only: tuple[str, ...] | None = None) -> int:
-    """Pre-pack every linear under ``module`` whose weight nobody reads directly (inference only:
-    the packed copy does not follow later weight updates); for a drafter on CPU in bf16/fp16,
-    where its small passes otherwise pay oneDNN's weight reorder on every call. only: just these
-    direct children. Returns the count."""
-    swapped = 0
-    for name, child in list(module.named_children()):
-        if only is not None and name not in only:
-            continue
-        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and cpu_reduced_precision(child.weight):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
-            swapped += 1
-        else:
-            swapped += pack_linears(child)
-    return swapped

@@ -1,0 +1,92 @@
+"""Dense linears pre-packed once into oneDNN's blocked layout (CPU, bf16/fp16), and which rows of a
+forward are prompt tokens (``RowSplit``), which the pre-packed and quantized linears call apart.
+
+``aten::mm`` re-lays a bf16 weight for oneDNN on every call; a pre-packed linear skips that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.models.llama import cpu_reduced_precision
+
+
+@dataclass
+class RowSplit:
+    """Which rows of one forward are prompt (prefill) tokens. Quantized linears send those through
+    a dense copy of their weights (a GEMM: prompts are long) and every other row through the
+    weight-only kernel, whose cost grows with each row; a decoded or verified token so always
+    takes the same kernel, whatever shares its pass."""
+
+    prefill: torch.Tensor | None  # row indices of prompt tokens (None: none)
+    rest: torch.Tensor | None  # the other rows (None: none)
+
+    @classmethod
+    def of(cls, counts: list[int], prompt_rows: list[int], device: torch.device) -> RowSplit | None:
+        """From per-sequence token counts and how many of each sequence's leading tokens are prompt
+        tokens (a request prefilled again after preemption also feeds generated tokens: those
+        keep the kernel they were decoded with); None when no row is a prompt token."""
+        if not any(prompt_rows):
+            return None
+        flags = torch.tensor([j < p for n, p in zip(counts, prompt_rows) for j in range(n)], dtype=torch.bool)
+        idx = torch.arange(len(flags))
+        rest = idx[~flags]
+        return cls(idx[flags].to(device), rest.to(device) if len(rest) else None)
+
+
+class PackedLinear(nn.Module):
+    """A dense bf16/fp16 linear on CPU with its weight re-laid once into oneDNN's blocked
+    format; each output row depends only on its input row (checked by the tests for the
+    layer shapes), so one-row calls need no two-row detour."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if rows is None or rows.rest is None:
+            y = self._call(x2)
+        else:  # decoded rows apart from a long prompt chunk: oneDNN's row order can change with M
+            y = x2.new_empty(x2.shape[0], self.out_features)
+            y[rows.rest] = self._call(x2[rows.rest])
+            y[rows.prefill] = self._call(x2[rows.prefill])
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class PackedHead(nn.Module):
+    """The LM head as a pre-packed linear that still exposes ``weight`` (tied to the embedding,
+    and read by drafters that share the target's head)."""
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.weight = head.weight
+        self.linear = PackedLinear(head.weight, head.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def pack_linears(module: nn.Module, only: tuple[str, ...] | None = None) -> int:
+    """Pre-pack every linear under ``module`` whose weight nobody reads directly (inference only:
+    the packed copy does not follow later weight updates); for a drafter on CPU in bf16/fp16,
+    where its small passes otherwise pay oneDNN's weight reorder on every call. only: just these
+    direct children. Returns the count."""
+    swapped = 0
+    for name, child in list(module.named_children()):
+        if only is not None and name not in only:
+            continue
+        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and cpu_reduced_precision(child.weight):
+            setattr(module, name, PackedLinear(child.weight, child.bias))
+            swapped += 1
+        else:
+            swapped += pack_linears(child)
+    return swapped

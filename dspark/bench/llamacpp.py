@@ -59,8 +59,8 @@ class LlamaCppMethod:
     def __init__(self, gguf: str, folder: str, max_tokens: int, n_ctx: int, threads: int | None = None):
         import torch
 
-        from dspark.bench.offline import MethodRun
-        from dspark.models.loader import load_config, load_tokenizer
+        from dspark.bench.offline import MethodRun, eos_ids
+        from dspark.models.loader import load_tokenizer
 
         llama_cpp = import_llama_cpp()
         self.max_tokens, self.threads = max_tokens, threads or torch.get_num_threads()
@@ -68,10 +68,7 @@ class LlamaCppMethod:
         self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=self.threads,
                                    n_threads_batch=self.threads, n_gpu_layers=0, seed=0, verbose=False)
         load_s = time.perf_counter() - t
-        eos = load_config(folder).get("eos_token_id")
-        tok = load_tokenizer(folder)
-        self.eos_ids = (set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id, self.llm.token_eos()})
-        self.eos_ids -= {None, -1}
+        self.eos_ids = (eos_ids(folder, load_tokenizer(folder)) | {self.llm.token_eos()}) - {-1}
         self.run = MethodRun(load_s=load_s, info={
             "gguf": gguf, "llama_cpp": getattr(llama_cpp, "__version__", None), "n_threads": self.threads,
             "n_ctx": n_ctx, "batching": "sequential"})

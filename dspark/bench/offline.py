@@ -129,6 +129,14 @@ class EngineMethod:
         run.stats += [o.stats for o in outs]
 
 
+def eos_ids(folder: str, tokenizer: Any) -> set[int]:
+    """Every id that ends a generation for the model in ``folder``: its config's and its tokenizer's."""
+    from dspark.models.loader import load_config
+
+    eos = load_config(folder).get("eos_token_id")
+    return (set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}) - {None}
+
+
 def _trim(row: list[int], eos_ids: set[int]) -> list[int]:
     """Cut a generated row after its first end-of-sequence token (as the engine stops)."""
     return row[:next((i + 1 for i, tok in enumerate(row) if tok in eos_ids), len(row))]
@@ -141,7 +149,7 @@ class HFMethod:
         import transformers
         from transformers import AutoModelForCausalLM
 
-        from dspark.models.loader import load_config, load_tokenizer
+        from dspark.models.loader import load_tokenizer
 
         self.device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
         self.cuda, self.max_tokens = self.device.startswith("cuda"), max_tokens
@@ -150,8 +158,7 @@ class HFMethod:
         self.model = AutoModelForCausalLM.from_pretrained(folder, **{key: dtype}).to(self.device).eval()
         tok = load_tokenizer(folder)
         self.run = MethodRun(load_s=time.perf_counter() - t)
-        eos = load_config(folder).get("eos_token_id")
-        self.eos_ids = (set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}) - {None}
+        self.eos_ids = eos_ids(folder, tok)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def _generate(self, group: list[list[int]], n: int) -> tuple[list[list[int]], float]:

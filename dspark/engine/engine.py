@@ -317,4 +317,3 @@ class Engine:
             if seq.is_finished:
                 self.seqs.pop(seq.request_id, None)
         return outs
-

@@ -57,7 +57,9 @@ class ModelRunner:
         out = self._graph_forward(batch, ids, capture, positions is not None)
         if out is None:
             self.attn.plan(batch)
-            rows = RowSplit.of(batch.q_lens, prompt_rows, self.device) if prompt_rows else None
+            # only CPU layers (pre-packed, int4/int8) read the split: no index tensors elsewhere
+            on_cpu = self.device.type == "cpu"
+            rows = RowSplit.of(batch.q_lens, prompt_rows, self.device) if prompt_rows and on_cpu else None
             out = self.model(ids, pos, self.attn, self.kv, capture, rows)
         hidden, feats = out
         logits = None

@@ -141,7 +141,7 @@ class Linear(nn.Linear):
     kernel sums in another order than its many-row one (measured: 16 of 198 rows differ for
     a 1536-wide input), so a decoded token would get other bits than the same token verified."""
 
-    def forward(self, x: torch.Tensor, rows=None) -> torch.Tensor:  # noqa: ANN001 - rows: quant.RowSplit
+    def forward(self, x: torch.Tensor, rows=None) -> torch.Tensor:  # noqa: ANN001 - rows: packed.RowSplit
         if x.shape[0] == 1 and cpu_reduced_precision(x):
             return super().forward(x.expand(2, *x.shape[1:]).contiguous())[:1]
         return super().forward(x)
@@ -230,7 +230,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, kv,
                 capture: tuple[int, ...] = (), rows=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final normed hidden [N, H], concatenated captured layers [N, m*H] or None).
-        rows (a quant.RowSplit) tells quantized linears which rows are prompt tokens."""
+        rows (a packed.RowSplit) tells packed and quantized linears which rows are prompt tokens."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         taken = {}

@@ -6,6 +6,7 @@ forward are prompt tokens (``RowSplit``), which the pre-packed and quantized lin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,17 @@ class RowSplit:
         rest = idx[~flags]
         return cls(idx[flags].to(device), rest.to(device) if len(rest) else None)
 
+    def apply(self, x: torch.Tensor, out_features: int, decoded: Callable[[torch.Tensor], torch.Tensor],
+              prompt: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """[N, out] from x [N, in]: prompt rows through ``prompt``, the others through ``decoded``,
+        each in a call of its own."""
+        if self.rest is None:
+            return prompt(x)
+        y = x.new_empty(x.shape[0], out_features)
+        y[self.rest] = decoded(x[self.rest])
+        y[self.prefill] = prompt(x[self.prefill])
+        return y
+
 
 class PackedLinear(nn.Module):
     """A dense bf16/fp16 linear on CPU with its weight re-laid once into oneDNN's blocked
@@ -53,12 +65,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if rows is None or rows.rest is None:
-            y = self._call(x2)
-        else:  # decoded rows apart from a long prompt chunk: oneDNN's row order can change with M
-            y = x2.new_empty(x2.shape[0], self.out_features)
-            y[rows.rest] = self._call(x2[rows.rest])
-            y[rows.prefill] = self._call(x2[rows.prefill])
+        # decoded rows apart from a long prompt chunk: oneDNN's row order can change with M
+        y = self._call(x2) if rows is None else rows.apply(x2, self.out_features, self._call, self._call)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -104,12 +104,8 @@ class _WeightOnly(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if rows is None or self.prefill is None:
             y = self._quantized(x2)
-        elif rows.rest is None:
-            y = self.prefill(x2)
         else:
-            y = x2.new_empty(x2.shape[0], self.out_features)
-            y[rows.rest] = self._quantized(x2[rows.rest])
-            y[rows.prefill] = self.prefill(x2[rows.prefill])
+            y = rows.apply(x2, self.out_features, self._quantized, self.prefill)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -210,11 +206,10 @@ def quantize_target(model: nn.Module, mode: str, model_arg: str | None) -> dict:
     from dspark.models.loader import source_gguf
 
     check_quantization(mode)
-    parts = None
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    reduced = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    if (mode in ("int4", "int8") or (mode == "auto" and reduced)) and on_cpu and (gguf := source_gguf(model_arg)):
-        parts = gguf_linear_parts(gguf)
+    w = next(model.parameters())
+    keeps_blocks = any(_resolve(mode, kind, w.device, w.dtype) != "none" for kind in ("Q4", "Q8_0"))
+    gguf = source_gguf(model_arg) if keeps_blocks else None
+    parts = gguf_linear_parts(gguf) if gguf else None
     summary = quantize_model(model, mode, parts)
     log.info("decoder-layer linears (--quantization %s): %s", mode, summary)
     _return_freed_heap()

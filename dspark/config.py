@@ -174,10 +174,13 @@ def _is_token_id(t: object) -> bool:
 class SpecConfig:
     """Speculative decoding settings.
 
-    drafter: a drafter folder, "ngram", "none", or None for the shipped default.
+    drafter: a drafter folder (DSpark, DFlash or EAGLE-3 layout), "ngram", "none", or None for
+    the shipped default. draft_model: a model the loader reads (HF folder or .gguf) that drafts
+    autoregressively instead (same tokenizer as the target).
     """
 
     drafter: str | None = None
+    draft_model: str | None = None
     block_size: int | None = None  # None: the drafter's own block size
     tree: bool = False
     tree_budget: int = 16  # draft nodes per request when tree=True
@@ -203,6 +206,11 @@ class SpecConfig:
             raise ValueError(f"ngram_assist_max_len must be an integer in [1, 32], got {self.ngram_assist_max_len!r}")
         if self.tree_budget < 1 or self.tree_topk < 1:
             raise ValueError("tree_budget and tree_topk must be >= 1")
+        if self.draft_model is not None:
+            if self.drafter is not None:
+                raise ValueError("drafter and draft_model are exclusive: a draft model is the drafter")
+            if not os.path.exists(self.draft_model):
+                raise ValueError(f"draft model {self.draft_model!r} does not exist (an HF folder or a .gguf file)")
         if self.drafter not in (None, "none", "ngram") and not os.path.isdir(self.drafter):
             raise ValueError(f"drafter {self.drafter!r} is not a folder; use a drafter folder, 'ngram' or 'none'")
 

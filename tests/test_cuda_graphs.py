@@ -58,7 +58,7 @@ def test_padded_graph_forwards_keep_greedy_output(folders, drafter, policy):
     assert served > 10  # most steps really went through the padded path
     if drafter == "dspark":
         # every drafter pass (load-aware pauses some) ran padded
-        assert eng.spec.graphs.num_served == eng.spec.num_draft_passes > 0
+        assert eng.spec.graphs.num_served == eng.spec.controller.num_draft_passes > 0
 
 
 def test_long_looked_up_chains_run_padded(folders):

@@ -149,7 +149,7 @@ def test_graph_replay_equals_eager(gpu_folders, drafter):
     assert all(p.capture for p in eng.runner.graphs.values())
     assert sum(p.num_served for p in eng.runner.graphs.values()) > 10
     if drafter == "dspark":
-        assert eng.spec.graphs.num_served == eng.spec.num_draft_passes > 0
+        assert eng.spec.graphs.num_served == eng.spec.controller.num_draft_passes > 0
 
 
 def test_graph_replay_of_long_looked_up_chains(gpu_folders):

@@ -228,8 +228,8 @@ def test_engine_pauses_drafter_when_it_cannot_pay(folders, single_thread, monkey
     plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     steps = engine.spec_stats.steps
-    assert engine.spec.num_draft_passes < steps / 3, (engine.spec.num_draft_passes, steps)
-    assert engine.spec.gain < 1
+    assert engine.spec.controller.num_draft_passes < steps / 3, (engine.spec.controller.num_draft_passes, steps)
+    assert engine.spec.controller.gain < 1
 
 
 @pytest.mark.parametrize("stored", ['{"tokens": [1, 2', '{"tokens": [1]}', ""])

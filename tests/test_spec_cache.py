@@ -66,7 +66,7 @@ def check_caches(engine, fresh, seq) -> None:
     torch.testing.assert_close(engine.runner.kv.v[:, slots], v, **TOL, msg=lambda m: f"target V, {where}: {m}")
     spec = engine.spec
     if hasattr(spec, "kv"):  # a neural drafter with its own context cache
-        dk, dv = drafter_context(spec.drafter, feats)
+        dk, dv = drafter_context(spec.proposer.drafter, feats)
         torch.testing.assert_close(spec.kv.k[:, slots], dk, **TOL, msg=lambda m: f"drafter K, {where}: {m}")
         torch.testing.assert_close(spec.kv.v[:, slots], dv, **TOL, msg=lambda m: f"drafter V, {where}: {m}")
 
@@ -151,7 +151,7 @@ def test_paused_drafter_defers_context_writes(folders, fresh, monkeypatch):
         return [1] * len(survival)
 
     monkeypatch.setattr(spec.policy, "_admit", losing)
-    spec.MAX_BACKOFF = 4  # pause 4 steps after each drafting step: many pause / resume cycles
+    spec.controller.MAX_BACKOFF = 4  # pause 4 steps after each drafting step: many pause / resume cycles
     for i, p in enumerate(alphabet_prompts([31, 33, 40], seed=9)):
         engine.add_request(f"d{i}", p, SamplingParams(temperature=0.0, max_tokens=60))
     deferred, checked = 0, 0
@@ -159,12 +159,12 @@ def test_paused_drafter_defers_context_writes(folders, fresh, monkeypatch):
         if not engine.has_unfinished():
             break
         engine.step()
-        deferred = max(deferred, spec.context.pending_rows)
-        if spec._skip_steps == 0:  # the next step may draft: nothing may still be pending
-            assert not spec.context.pending
+        deferred = max(deferred, spec.proposer.context.pending_rows)
+        if spec.controller.skip_steps == 0:  # the next step may draft: nothing may still be pending
+            assert not spec.proposer.context.pending
             for s in engine.running:
                 if s.num_cached:
                     check_caches(engine, fresh, s)
                     checked += 1
-    assert not engine.has_unfinished() and engine.num_preemptions > 0 and spec.num_draft_passes > 5
+    assert not engine.has_unfinished() and engine.num_preemptions > 0 and spec.controller.num_draft_passes > 5
     assert deferred >= 6 and checked > 10, (deferred, checked)

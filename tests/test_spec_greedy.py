@@ -14,17 +14,10 @@ import dataclasses
 import pytest
 from spec_helpers import alphabet_prompts, make_engine, run_requests
 
-from dspark.config import SamplingParams, SpecConfig
+from dspark.config import SamplingParams
 
 pytest.importorskip("transformers")
 
-try:
-    from dspark.engine.neural_spec import NeuralSpecRunner
-
-    HAS_TREE = "tree" in {f.name for f in dataclasses.fields(SpecConfig)} and hasattr(NeuralSpecRunner,
-                                                                                     "_propose_trees")
-except ImportError:  # pragma: no cover
-    HAS_TREE = False
 
 LENGTHS = [15, 16, 17, 24, 31, 32, 33, 40]  # around the 16-token page boundaries
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
@@ -98,7 +91,7 @@ def test_chain_per_request_block_sizes(folders, prompts, plain, drafter, policy,
     # block size 1 never verifies more than one draft token per step
     assert outs[0].stats.verified <= outs[0].stats.steps
     if drafter == "ngram":  # finished requests leave no lookup index behind
-        assert engine.spec.drafter._indexes == {}
+        assert engine.spec.proposer.drafter._indexes == {}
 
 
 BLOCKS = [("dspark", b) for b in range(1, 9)] + [("dflash", b) for b in (1, 4, 8)] + [("ngram", b) for b in (1, 3, 8)]
@@ -216,7 +209,6 @@ def test_prefill_leaves_pages_for_running_drafts(folders, plain):
 TREES = [("dspark", 16, 2), ("dspark", 5, 3), ("dflash", 8, 2), ("dspark_rv", 8, 2)]
 
 
-@pytest.mark.skipif(not HAS_TREE, reason="tree verification (SpecConfig.tree) is not implemented")
 @pytest.mark.parametrize("drafter,budget,topk", TREES, ids=[f"{d}-{b}x{k}" for d, b, k in TREES])
 def test_tree_matches_plain(folders, prompts, plain, drafter, budget, topk):
     engine = make_engine(folders["target"], folders[drafter], tree=True, tree_budget=budget, tree_topk=topk)
@@ -231,8 +223,6 @@ def test_tree_matches_plain(folders, prompts, plain, drafter, budget, topk):
 
 
 def test_tree_stop_token_and_pressure(folders, prompts, plain):
-    if not HAS_TREE:
-        pytest.skip("tree verification (SpecConfig.tree) is not implemented")
     ref = plain([(p, GREEDY) for p in prompts])
     reqs = [(p, dataclasses.replace(GREEDY, stop_token_ids=[r.token_ids[len(r.token_ids) // 2]]))
             for p, r in zip(prompts, ref)]
@@ -295,7 +285,7 @@ def test_proposed_counts_only_steps_that_drafted(folders, prompts, monkeypatch):
     monkeypatch.setattr(spec, "propose", recording)
     reqs = [(p, dataclasses.replace(GREEDY, max_tokens=m), None) for p, m in zip(prompts, [3, 3, 4, 4, 5, 5, 9, 9])]
     outs = run_requests(engine, reqs)
-    nd = spec.drafter.config.num_drafts
+    nd = spec.proposer.drafter.config.num_drafts
     assert [o.stats.proposed for o in outs] == [nd * drafted.get(o.request_id, 0) for o in outs]
     assert sum(o.stats.steps > drafted.get(o.request_id, 0) for o in outs) >= 2  # steps that drafted nothing
 
@@ -337,11 +327,11 @@ def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_p
     real = spec.propose
 
     def recording(seqs, other_tokens=0):
-        before = spec.num_draft_passes
+        before = spec.controller.num_draft_passes
         out = real(seqs, other_tokens)
         if seqs:  # steps without decodes propose nothing and skip no pass
             looked.append(len(spec.assist.looked))
-            passes.append(spec.num_draft_passes - before)
+            passes.append(spec.controller.num_draft_passes - before)
         longest[0] = max([longest[0]] + list(spec.assist.verified.values()))
         return out
 

@@ -202,7 +202,7 @@ def install_graphs(engine: Engine, capture: bool = True) -> None:
         runner.graphs[longest] = pool(target, longest, sizes=[n for n in ladder if n <= LONG_CHAIN_REQUESTS])
     runner.graph_capture_layers = layers
     if spec.block_forward is not None:
-        spec.graphs = pool(spec.block_forward, spec.drafter.config.block_size, "full")
+        spec.proposer.graphs = pool(spec.block_forward, spec.proposer.forward_tokens, "full")
     if capture:
         for p in [*runner.graphs.values(), spec.graphs]:
             if p is not None:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from dspark.config import EngineConfig, SamplingParams
+from dspark.engine import profile
 from dspark.engine.attention import make_backend
 from dspark.engine.batch_planner import BatchPlanner
 from dspark.engine.cuda_graphs import SCRATCH_TOKENS, install_graphs
@@ -27,10 +28,10 @@ from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.logprobs import attach_logprobs, attach_prompt_logprobs
 from dspark.engine.model_runner import ModelRunner
 from dspark.engine.prompts import ChatPrompt, bad_word_token_ids, encode_prompt
+from dspark.engine.proposal import Proposal, TargetView
+from dspark.engine.proposers import make_spec_runner
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
-from dspark.engine.spec import SpecRunner
 from dspark.engine.structured import GrammarCache
-from dspark.engine.tree import DraftTree
 from dspark.engine.verify import Work, accept, layout
 from dspark.models.llama import LlamaConfig, LlamaModel
 from dspark.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model_folder
@@ -72,18 +73,21 @@ class Engine:
                      mc.head_dim, self.dtype, self.device)
         self.attn = make_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.pool, kv, self.attn, self.device)
-        self.spec = SpecRunner.create(config.spec, self)
+        self.spec_stats = SpecStats()  # engine-wide totals
+        target = TargetView(self.model, self.pool, self.kv_pages, self.device, self.dtype, config.attention_backend,
+                            self.runner.batch_layout, self.max_model_len)
+        self.spec = make_spec_runner(config.spec, target, self.spec_stats, default_model=config.model is None)
         self._fit_context(num_pages * page_size)
+        self.spec.max_model_len = self.max_model_len
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer":
             self.enable_graphs(capture=True)
-        self.spec.calibrate()
+        self.spec.calibrate(lambda: profile.load_or_measure(self))
         self.planner = BatchPlanner(config, self.pool, self.spec)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # for requests without their own seed
         self._grammars: GrammarCache | None = None  # compiled on the first structured-output request
         self.draft_time = 0.0  # wall seconds spent in the drafter's proposals (bench: draft_share)
-        self.spec_stats = SpecStats()  # engine-wide totals
         self._finished_pending: list[Sequence] = []
 
     def _fit_context(self, pool_tokens: int) -> None:
@@ -199,11 +203,10 @@ class Engine:
         self.draft_time += t_draft
         works = []
         for seq in decode:
-            prop = proposals.get(seq.seq_id)
-            tree = prop if isinstance(prop, DraftTree) else None
-            drafts = [] if tree is not None else list(prop or [])
-            body = tree.tokens if tree is not None else drafts
-            works.append(Work(seq, "decode", [seq.output_ids[-1]] + body, drafts, tree, samples=True))
+            prop = proposals.get(seq.seq_id) or Proposal([])
+            body = prop.tree.tokens if prop.tree is not None else prop.tokens
+            works.append(Work(seq, "decode", [seq.output_ids[-1]] + body, list(prop.tokens), prop.tree,
+                              samples=True, q=prop.q, num_proposed=prop.num_proposed, looked_up=prop.looked_up))
         for seq, n in prefill:
             final = seq.num_cached + n == seq.prefill_target and not seq.output_ids
             works.append(Work(seq, "prefill", seq.all_ids[seq.num_cached:seq.num_cached + n], samples=final))
@@ -211,7 +214,7 @@ class Engine:
         result = self.runner.forward(items, rows, capture=self.spec.capture_layers, mask=mask,
                                      custom_masks=masks, positions=positions,
                                      prompt_rows=[w.prompt_rows for w in works])
-        accept(works, result.logits, self.spec)
+        accept(works, result.logits)
         attach_logprobs(works, result.logits)
         attach_prompt_logprobs(works, result.hidden, self.runner.model)
         touched = self._commit(works, result)
@@ -227,8 +230,7 @@ class Engine:
                 if w.kind == "decode":
                     a = len(w.kept_rows) - 1
                     for st in (w.seq.stats, self.spec_stats):
-                        st.record(self.spec.num_proposed(w.seq), w.num_verified, a, committed,
-                                  self.spec.looked_up(w.seq))
+                        st.record(w.num_proposed, w.num_verified, a, committed, w.looked_up)
         ctx_rows = []
         for w in works:
             seq, start = w.seq, w.seq.num_cached

@@ -1,45 +1,80 @@
-"""Speculation glue between the engine and a drafter: proposals, verification lengths,
-draft distributions, and the drafter's context cache."""
+"""Speculation glue between the engine and a proposer: draft budgets, the n-gram assist composed
+with a neural proposer, the verify-length controller, and the per-step Proposals."""
 
 from __future__ import annotations
 
-import torch
+import time
+from collections.abc import Callable
 
 from dspark.config import SpecConfig
-from dspark.engine.sequence import Sequence
+from dspark.engine.assist import NgramAssist
+from dspark.engine.controller import VerifyLengthController
+from dspark.engine.policy import CostModel, make_policy
+from dspark.engine.proposal import Draft, Proposal, Proposer
+from dspark.engine.sequence import Sequence, SpecStats
 
 
 class SpecRunner:
-    """No drafter: every request verifies just its anchor (plain decoding). Subclasses add drafting."""
+    """Runs one proposer for the engine. Each step: budgets per request, then (for neural
+    proposers) prompt lookup first, the proposer's pass for the requests without a looked-up
+    chain, and the controller's cut of every draft. Deterministic proposers (prompt lookup
+    alone) are verified whole. With the base Proposer every request verifies just its anchor
+    (plain decoding)."""
 
-    capture_layers: tuple[int, ...] = ()
-    name = "none"
+    def __init__(self, cfg: SpecConfig, proposer: Proposer, stats: SpecStats, max_model_len: int):
+        self.cfg, self.proposer, self.stats = cfg, proposer, stats
+        self.max_model_len = max_model_len  # the engine lowers it when the KV cache is small
+        self.name = proposer.name
+        self.capture_layers = proposer.capture_layers
+        if cfg.tree and proposer.num_drafts and not getattr(proposer, "trees", False):
+            raise ValueError(f"--tree needs a drafter that drafts trees; {proposer.name} drafts chains")
+        self.block_size = proposer.num_drafts
+        neural = proposer.num_drafts > 0 and not proposer.deterministic
+        # a block size the user set caps looked-up chains too; the drafter's own lets them grow
+        self.assist = NgramAssist(cfg.ngram_assist, max(cfg.ngram_max, cfg.ngram_assist), self.block_size,
+                                  cfg.block_size or cfg.ngram_assist_max_len) if neural and cfg.ngram_assist else None
+        # load-aware needs the target's cost profile: calibrate() supplies it once the engine is
+        # complete (CUDA graphs change what a pass costs)
+        policy = None if cfg.policy == "load-aware" else make_policy(cfg.policy, cfg.threshold, None)
+        self.controller = VerifyLengthController(policy, stats, cfg.tree) if neural else None
 
-    def __init__(self, cfg: SpecConfig, engine):
-        self.cfg, self.engine = cfg, engine
-        self._proposed: dict[int, int] = {}
+    @property
+    def graphs(self):  # noqa: ANN201 - cuda_graphs.GraphPool
+        return self.proposer.graphs
 
-    @staticmethod
-    def create(cfg: SpecConfig, engine) -> SpecRunner:
-        from dspark.engine.drafting import make_spec_runner
+    @property
+    def block_forward(self):  # noqa: ANN201 - the proposer's capturable forward, or None
+        return self.proposer.block_forward
 
-        return make_spec_runner(cfg, engine)
+    def calibrate(self, cost: Callable[[], CostModel]) -> None:
+        """Called once the engine is built (after CUDA graphs): measure what the policy needs."""
+        if self.controller is not None and self.controller.policy is None:
+            self.controller.policy = make_policy(self.cfg.policy, self.cfg.threshold, cost())
 
+    @property
+    def policy(self):  # noqa: ANN201 - policy.Policy, or None without a neural proposer
+        return self.controller.policy if self.controller is not None else None
+
+    # ------------------------------------------------------------------ budgets
     def draft_budget(self, seq: Sequence, cap: int | None = None) -> int:
         """Most draft tokens worth verifying for seq (cap: instead of the block size, unless the
         request set its own): never past max_tokens or the context."""
-        if not seq.spec_enabled or seq.plain_step:
+        if not seq.spec_enabled or seq.plain_step or not self.block_size:
             return 0
         block = seq.block_size or cap or self.block_size
         left = seq.params.max_tokens - len(seq.output_ids) - 1
-        room = self.engine.max_model_len - seq.num_cached - 2
+        room = self.max_model_len - seq.num_cached - 2
         return max(0, min(block, left, room))
+
+    def lookup_budget(self, seq: Sequence) -> int:
+        """Most looked-up tokens seq may verify this step."""
+        return self.draft_budget(seq, self.assist.span(seq.seq_id))
 
     def block_size_error(self, block_size: int | None) -> str | None:
         """Why a request's own block size cannot run here (None: it can, or it has no effect)."""
-        if block_size is None or self.name == "none":
+        if block_size is None or not self.block_size:
             return None
-        top = 32 if self.name == "ngram" else self.block_size
+        top = 32 if self.proposer.deterministic else self.block_size
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= top:
             return f"block_size must be an integer in [1, {top}] for drafter {self.name}, got {block_size!r}"
         return None
@@ -47,52 +82,79 @@ class SpecRunner:
     def context_headroom(self) -> int:
         """Cache slots past max_model_len a step may reserve for one request. A chain never
         passes the context (draft_budget stops at it); a drafter block or a tree may."""
-        return 0
-
-    block_size = 0
+        return max(self.cfg.tree_budget if self.cfg.tree else 0, self.proposer.context_headroom())
 
     @property
     def longest_chain(self) -> int:
         """Most proposed tokens a request's chain may hold (CUDA graphs pad chains to it)."""
-        return self.block_size
-
-    graphs = None  # the drafter's GraphPool, when the engine uses CUDA graphs
-
-    def calibrate(self) -> None:
-        """Called once the engine is built (after CUDA graphs): measure what the policy needs."""
-
-    block_forward = None  # the drafter model's block forward, for CUDA graphs (None: no drafter model)
+        return self.assist.max_len if self.assist is not None else self.block_size
 
     def max_tokens_for(self, seq: Sequence) -> int:
         """Cache slots beyond num_cached a step may write for seq."""
-        return 1 + self.draft_budget(seq)
+        budget = self.draft_budget(seq)
+        if not budget:
+            return 1
+        nodes = self.cfg.tree_budget if self.cfg.tree else budget
+        if self.assist is not None:  # room for a looked-up chain longer than a block
+            nodes = max(nodes, self.lookup_budget(seq))
+        return max(1 + nodes, self.proposer.forward_tokens)
 
-    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, list[int]]:
-        """Draft tokens (or a DraftTree) per seq_id; other_tokens: prefill tokens in the same pass."""
-        return {}
-
-    def num_proposed(self, seq: Sequence) -> int:
-        return self._proposed.get(seq.seq_id, 0)
-
-    def looked_up(self, seq: Sequence) -> bool:
-        """Whether seq verified a looked-up chain (the n-gram assist) this step, not drafts."""
-        return False
-
-    def draft_probs(self, rows, K: int, V: int, proposals) -> torch.Tensor | None:
-        """[R, K, V] draft distributions of the verified tokens, or None when one-hot."""
-        return None
+    # ------------------------------------------------------------------ one step
+    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, Proposal]:
+        """A Proposal per drafting request; other_tokens: prefill tokens in the same pass."""
+        if self.assist is not None:
+            self.assist.clear()
+        budgets = [self.draft_budget(s) for s in seqs]
+        active = [s for s, b in zip(seqs, budgets) if b > 0]
+        if not active:
+            return {}
+        budgets = [b for b in budgets if b > 0]
+        if self.controller is None:  # deterministic drafts are verified whole
+            drafts = self.proposer.draft(active, budgets)
+            return {s.seq_id: Proposal(d.tokens, num_proposed=d.num_proposed) for s, d in zip(active, drafts)}
+        other_tokens += len(seqs) - len(active)  # their anchors ride in the pass, as prefill does
+        if self.controller.paused():
+            return {}
+        t0 = time.perf_counter()
+        looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
+        neural = [(s, b) for s, b in zip(active, budgets) if s.seq_id not in looked]
+        drafted = self.proposer.draft([s for s, _ in neural], [b for _, b in neural]) if neural else []
+        by_seq = {s.seq_id: d for (s, _), d in zip(neural, drafted)}
+        if looked:
+            prior = self.assist.prior(max(len(c) for c in looked.values()))
+            by_seq.update((sid, Draft(chain, prior[:len(chain)], looked_up=True)) for sid, chain in looked.items())
+        drafts = [by_seq[s.seq_id] for s in active]
+        budgets = [len(looked[s.seq_id]) if s.seq_id in looked else b for s, b in zip(active, budgets)]
+        seconds = self.controller.estimated_draft_seconds(len(neural))
+        out = dict(zip([s.seq_id for s in active],
+                       self.controller.choose(drafts, budgets, other_tokens, seconds)))
+        for sid in looked:
+            self.assist.send(sid, looked[sid], len(out[sid].tokens))
+        if neural:
+            self.controller.record_pass(len(neural), time.perf_counter() - t0)
+        return out
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A decode-only step's target tokens and its wall seconds outside the drafter pass (the
         pass, acceptance and commit), for policies that price verification."""
+        cost = getattr(self.policy, "cost", None)
+        if cost is not None:
+            cost.observe(tokens, seconds)
 
     def commit(self, ctx_rows, result) -> None:
         """Called after each forward with (seq, first new position, batch rows kept there in order)."""
+        if self.assist is not None and self.assist.verified:
+            for seq, _, kept in ctx_rows:
+                self.assist.observe(seq.seq_id, len(kept) - 1)
+        paused = self.controller is not None and self.controller.skip_steps > 0
+        self.proposer.commit(ctx_rows, result.feats, flush=not paused)
 
     def release(self, seq_id: int) -> None:
-        """seq_id finished or was preempted: drop what the runner keeps across its steps (this
-        step's proposal counts stay until the next propose, for the step's statistics)."""
+        """seq_id finished or was preempted: drop what is kept across its steps."""
+        if self.assist is not None:
+            self.assist.forget(seq_id)
+        self.proposer.release(seq_id)
 
     def context_pending(self) -> bool:
-        """Whether committed positions still wait to enter the drafter's context cache."""
-        return False
+        """Whether committed positions still wait to enter the proposer's cache."""
+        return self.proposer.context_pending()

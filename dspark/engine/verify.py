@@ -24,6 +24,9 @@ class Work:
     drafts: list[int] = field(default_factory=list)
     tree: DraftTree | None = None
     samples: bool = False  # a token is sampled from this work's last verified row(s)
+    q: torch.Tensor | None = None  # [len(drafts), V] draft distributions (None: one-hot drafts)
+    num_proposed: int = 0  # tokens the proposer drafted (statistics)
+    looked_up: bool = False  # the drafts are a looked-up chain (the n-gram assist)
     first_row: int = 0
     first_logit: int = 0  # this work's first row in the pass's logits (layout sets both)
     kept_rows: list[int] = field(default_factory=list)  # offsets into tokens that stay cached
@@ -109,7 +112,24 @@ def _tree_needs(trees: list[DraftTree]) -> list[list[int]]:
             for t, k in zip(trees, kids)]
 
 
-def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
+def _draft_probs(works: list[Work], K: int, V: int, device: torch.device) -> torch.Tensor | None:
+    """[R, K, V] draft distributions of the chains' verified tokens (one-hot rows where a draft is
+    deterministic), or None when every draft is one-hot."""
+    if K == 0 or all(w.q is None for w in works):
+        return None
+    q = torch.zeros(len(works), K, V, device=device)
+    for r, w in enumerate(works):
+        n = len(w.drafts)
+        if not n:
+            continue
+        if w.q is not None:
+            q[r, :n] = w.q[:n]
+        else:
+            q[r, torch.arange(n), torch.tensor(w.drafts, device=device)] = 1.0
+    return q
+
+
+def accept(works: list[Work], logits: torch.Tensor | None) -> None:
     """Fill kept_rows and new_tokens of every work from the target logits of its rows."""
     logits = process_logits(works, logits)
     sampled, greedy = [], []
@@ -142,7 +162,7 @@ def accept(works: list[Work], logits: torch.Tensor | None, spec) -> None:
         seqs = [w.seq for w, _ in chains]
         p = warp_logits(lg, *(x.to(dev) for x in _params(seqs, K + 1)))
         lens = torch.tensor([len(w.drafts) for w, _ in chains], device=dev)
-        q = spec.draft_probs([(w.seq, w.kind, len(w.drafts), w.drafts) for w, _ in chains], K, V, None)
+        q = _draft_probs([w for w, _ in chains], K, V, dev)
         u = _uniforms(seqs, [list(range(len(w.drafts))) for w, _ in chains], K + 1).to(dev)
         n_acc, nxt = accept_chain(p, drafts[:, :K].to(dev), q, lens, u[:, :K], u[:, K])
         for r, (w, _) in enumerate(chains):

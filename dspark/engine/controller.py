@@ -1,0 +1,98 @@
+"""The verify-length controller: how much of each request's draft the target checks, and when
+drafting pauses because it cannot pay.
+
+It wraps a verification-length policy (policy.py) and adds what a policy alone cannot know: the
+measured time of the proposer's own pass, and a back-off. While the load-aware policy finds, on
+a running average, that even its best choice loses to plain decoding once the drafter pass is
+paid for, drafting pauses for a number of steps that doubles on each failed retry (up to
+MAX_BACKOFF), then the proposer is tried again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.engine.policy import Policy
+from dspark.engine.proposal import Draft, Proposal
+from dspark.engine.sequence import SpecStats
+
+
+class VerifyLengthController:
+    """Cuts drafts into proposals with a policy, prices the proposer's pass, and pauses drafting
+    while it loses. ``policy`` may be set after construction (load-aware needs the target's cost
+    profile, measured once the engine is complete)."""
+
+    MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA, DRAFT_TIME_EMA = 4, 64, 0.25, 0.2
+
+    def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False):
+        self.policy, self.stats, self.tree = policy, stats, tree
+        self.draft_seconds: dict[int, float] = {}  # EMA of a proposer pass's wall time, by batch size
+        self.num_draft_passes = 0
+        self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
+
+    def paused(self) -> bool:
+        """Whether this step drafts nothing (counts the paused step)."""
+        if self.skip_steps > 0:
+            self.skip_steps -= 1
+            return True
+        return False
+
+    def estimated_draft_seconds(self, R: int) -> float:
+        """Measured proposer pass time at batch R, from the nearest batch size seen (0 before any)."""
+        if not self.draft_seconds or R == 0:
+            return 0.0
+        near = min(self.draft_seconds, key=lambda n: abs(n - R))
+        return self.draft_seconds[near] * max(1.0, R / near)
+
+    def record_pass(self, R: int, seconds: float) -> None:
+        """A proposer pass over R requests took `seconds`; pause drafting while it loses."""
+        self.num_draft_passes += 1
+        priced = bool(self.draft_seconds)  # the very first choice took the drafter to be free
+        old = self.draft_seconds.get(R, seconds)
+        self.draft_seconds[R] = old + self.DRAFT_TIME_EMA * (seconds - old)
+        gain = getattr(self.policy, "last_gain", None)
+        if gain is None or not priced:
+            return
+        self.gain += self.GAIN_EMA * (gain - self.gain)
+        if self.gain < 1.0:
+            self.skip_steps = self.backoff
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+        else:
+            self.backoff = self.MIN_BACKOFF
+
+    def choose(self, drafts: list[Draft], budgets: list[int], other_tokens: int,
+               draft_seconds: float) -> list[Proposal]:
+        """One proposal per draft: chains cut by the policy (within budgets), trees pruned to the
+        nodes it admits. Chains and trees of one step compete for the same pass."""
+        if self.tree:
+            return self._choose_nodes(drafts, other_tokens, draft_seconds)
+        width = max(len(d.tokens) for d in drafts)
+        prior = None
+        rows = []
+        for d in drafts:
+            c = d.confidence
+            if c is None:
+                prior = self.acceptance_prior(width) if prior is None else prior
+                c = prior[:len(d.tokens)]
+            rows.append(torch.nn.functional.pad(c.float().cpu(), (0, width - len(c))))
+        limits = [min(b, len(d.tokens)) for d, b in zip(drafts, budgets)]
+        lengths = self.policy.choose(limits, torch.stack(rows), other_tokens, draft_seconds)
+        return [d.cut(n) for d, n in zip(drafts, lengths)]
+
+    def _choose_nodes(self, drafts: list[Draft], other_tokens: int, draft_seconds: float) -> list[Proposal]:
+        """Tree nodes by joint draft probability; chains beside them by their running survival."""
+        survival = []
+        for d in drafts:
+            if d.tree is not None:
+                survival.append([d.tree.scores[i] for i in d.tree.ranked()])
+            else:
+                c = d.confidence if d.confidence is not None else self.acceptance_prior(len(d.tokens))
+                survival.append(c.float().cumprod(0).tolist()[:len(d.tokens)])
+        sizes = self.policy.choose_nodes(survival, other_tokens, draft_seconds)
+        return [d.cut(n) for d, n in zip(drafts, sizes)]
+
+    def acceptance_prior(self, width: int) -> torch.Tensor:
+        """[width]: each position's running acceptance rate, for drafts without confidences."""
+        st = self.stats
+        rates = [(a + 1) / (v + 2) for a, v in zip(st.accepted_per_pos, st.verified_per_pos)]
+        return torch.tensor((rates + [0.5] * width)[:width])

@@ -1,0 +1,152 @@
+"""DSpark / DFlash block drafting: one drafter pass per step over [anchor, MASK...] for every
+drafting request, a walk of the Markov head over the block (chains) or a top-k expansion (trees),
+and the drafter's incremental context cache."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.config import SpecConfig
+from dspark.engine.attention import make_backend
+from dspark.engine.drafter_context import DrafterContext
+from dspark.engine.kv_cache import KVCache
+from dspark.engine.proposal import Draft, Proposer, TargetView
+from dspark.engine.sampling import sample, warp_logits
+from dspark.engine.sequence import Sequence
+from dspark.engine.structured import DraftConstraint, TreeConstraint
+from dspark.engine.tree import build_trees
+from dspark.models.drafters.checkpoint import load_drafter
+from dspark.models.packed import pack_linears
+
+
+def sampling_settings(seqs: list[Sequence], width: int, device: torch.device) -> tuple:
+    """(temperature, top-k, top-p, min-p, uniforms [R, width]) of sampled requests' drafts: each
+    request draws its uniforms from its own generator (0.5 without one)."""
+    temp = torch.tensor([s.params.temperature for s in seqs], device=device)
+    top_k = torch.tensor([s.params.top_k for s in seqs], device=device)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
+    u = torch.full((len(seqs), width), 0.5)
+    for r, s in enumerate(seqs):
+        if s.generator is not None:
+            u[r] = torch.rand(width, generator=s.generator)
+    return temp, top_k, top_p, min_p, u.to(device)
+
+
+class BlockProposer(Proposer):
+    """Drives a BlockDrafter over the shared page pool with its own K/V tensors."""
+
+    trees = True
+
+    def __init__(self, cfg: SpecConfig, target: TargetView, path: str):
+        self.cfg, self.target = cfg, target
+        # frozen: the engine never trains it, and frozen heads keep float32 copies (MarkovHead)
+        self.drafter = load_drafter(path, target.model, target.dtype, target.device).requires_grad_(False)
+        pack_linears(self.drafter.layers)  # the backbone's projections; the heads' weights are read directly
+        pack_linears(self.drafter, only=("fc",))
+        dc = self.drafter.config
+        self.name = dc.kind
+        if cfg.block_size is not None and cfg.block_size > dc.num_drafts:
+            raise ValueError(f"block size {cfg.block_size} exceeds the {dc.num_drafts} tokens this drafter emits")
+        self.num_drafts = cfg.block_size or dc.num_drafts
+        self.forward_tokens = dc.block_size  # the block pass writes this many cache slots
+        self.capture_layers = tuple(dc.target_layer_ids)
+        self.kv = KVCache(dc.num_hidden_layers, target.kv_pages, target.pool.page_size, dc.num_key_value_heads,
+                          dc.head_dim, target.dtype, target.device)
+        # drafts need no bit-equality with anything, so the drafter attends in the faster dtypes
+        self.attn = make_backend(target.attention_backend, target.device, exact=False)
+        self.context = DrafterContext(self.drafter, self.kv, target.pool, target.device)
+        self.block_forward = self._block_forward
+
+    def context_headroom(self) -> int:
+        return self.drafter.config.block_size
+
+    def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
+        with torch.inference_mode():
+            h = self._block_pass(seqs)
+            if self.cfg.tree:
+                return self._draft_trees(seqs, budgets, h)
+            return self._draft_chains(seqs, h)
+
+    def _block_pass(self, active: list[Sequence]) -> torch.Tensor:
+        """The drafter's forward over [anchor, MASK...] per request -> [R, num_drafts, H] draft slots."""
+        dc = self.drafter.config
+        B, R = dc.block_size, len(active)
+        items = [(s, [s.output_ids[-1]] + [dc.mask_token_id] * (B - 1)) for s in active]
+        batch, ids, pos = self.target.layout(items, mask="full")
+        out = self.graphs.run(batch, ids) if self.graphs is not None else None
+        if out is None:
+            self.attn.plan(batch)
+            out = self._block_forward(ids, pos, self.attn)
+        return self.drafter.draft_hidden(out[0].view(R, B, -1))
+
+    def _block_forward(self, ids: torch.Tensor, pos: torch.Tensor, attn) -> tuple[torch.Tensor]:
+        """The drafter's block forward -> (final hidden,): run eagerly, or captured by a GraphPool."""
+        return (self.drafter.block_hidden(ids, pos, attn, self.kv),)
+
+    def _draft_chains(self, active: list[Sequence], h: torch.Tensor) -> list[Draft]:
+        """Walk the Markov head over the draft slots h [R, num_drafts, H]: per request its drafts,
+        their confidences (on the CPU), where a grammar stops them, and for sampled requests
+        their draft distributions q."""
+        dc, dev = self.drafter.config, self.target.device
+        nd, R = dc.num_drafts, len(active)
+        greedy = all(s.params.greedy for s in active)
+        # Greedy drafts are one-hot, so they walk the (reduced) draft vocabulary and map the picks
+        # back, skipping a [R, V] scatter per slot; sampled drafts need q over the target's.
+        base = self.drafter.draft_logits(h) if greedy else self.drafter.head(h)  # [R, nd, V or Vd]
+        to_target = self.drafter.draft_to_target if greedy else None
+        if not greedy:
+            temp, top_k, top_p, min_p, u = sampling_settings(active, nd, dev)
+        prev = torch.tensor([s.output_ids[-1] for s in active], device=dev)
+        grammars = [s.grammar for s in active]
+        constraint = DraftConstraint(grammars, self.target.model.config.vocab_size, to_target) \
+            if any(g is not None for g in grammars) else None
+        tokens, probs, prevs = [], [], []
+        try:
+            for k in range(nd):
+                prevs.append(prev)
+                logits = self.drafter.step_logits(base[:, k], prev)
+                if constraint is not None:
+                    logits = constraint.mask(logits, k)
+                if greedy:
+                    prev = logits.argmax(-1)
+                    if to_target is not None:
+                        prev = to_target[prev]
+                else:
+                    q = warp_logits(logits, temp, top_k, top_p, min_p)
+                    prev = sample(q, u[:, k])
+                    probs.append(q)
+                tokens.append(prev)
+                if constraint is not None:
+                    constraint.advance(prev, k)
+        finally:  # the matchers go back to their requests' committed state whatever happens
+            stops = constraint.finish() if constraint is not None else [None] * R
+        conf = self.drafter.confidence(h, torch.stack(prevs, 1))
+        conf = torch.sigmoid(conf).float().cpu() if conf is not None else None
+        q = torch.stack(probs, 1) if probs else None  # [R, nd, V]
+        rows = torch.stack(tokens, 1).tolist()
+        return [Draft(rows[r], None if conf is None else conf[r],
+                      None if q is None or s.params.greedy else q[r], stop=stops[r], num_proposed=nd)
+                for r, s in enumerate(active)]
+
+    def _draft_trees(self, active: list[Sequence], budgets: list[int], h: torch.Tensor) -> list[Draft]:
+        """Each request's draft tree, at most its draft budget deep, under its grammar if any:
+        top-k children per node through the Markov head, pruned to the node budget. Children are
+        tried as one-hot proposals, so no q is kept."""
+        base = self.drafter.draft_logits(h)
+        anchors = torch.tensor([s.output_ids[-1] for s in active], device=base.device)
+        grammars = [s.grammar for s in active]
+        to_target = self.drafter.draft_to_target
+        constraint = TreeConstraint(grammars, self.target.model.config.vocab_size, to_target) \
+            if any(g is not None for g in grammars) else None
+        trees = build_trees(base[:, :max(budgets)], anchors, self.drafter.markov_head,
+                            [self.cfg.tree_budget] * len(active), budgets, self.cfg.tree_topk,
+                            vocab=to_target, constraint=constraint)
+        return [Draft([], tree=t, num_proposed=self.cfg.tree_budget) for t in trees]
+
+    def commit(self, ctx_rows, feats: torch.Tensor | None, flush: bool) -> None:
+        with torch.inference_mode():
+            self.context.add(ctx_rows, feats, flush=flush)
+
+    def context_pending(self) -> bool:
+        return bool(self.context.pending)

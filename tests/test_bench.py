@@ -71,7 +71,7 @@ def test_bench_reports_drafter_share(model: None, tmp_path: pathlib.Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     """The shipped drafter's run reports tau, output equal to ar's, and the share of the decode
     window its own passes took (accumulated per group, so strictly inside (0, 1))."""
-    from dspark.engine.drafting import default_drafter
+    from dspark.engine.proposers import default_drafter
 
     if default_drafter() == "ngram":
         pytest.skip("no shipped drafter")

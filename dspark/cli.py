@@ -10,7 +10,12 @@ from pathlib import Path
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine."""
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="drafter folder, 'ngram' or 'none' (default: the shipped one)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter folder (DSpark, DFlash or EAGLE-3 layout), 'ngram' or 'none' "
+                        "(default: the shipped one)")
+    p.add_argument("--draft-model", default=None,
+                   help="a small model of the target's family (HF folder or .gguf, same tokenizer) that drafts "
+                        "--block-size tokens autoregressively (default 4); instead of --drafter")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
     p.add_argument("--tree", action="store_true", help="verify a draft tree instead of a chain")
     p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per request (default: 16)")
@@ -72,7 +77,8 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
     given = {k: v for k, v in (("tree_budget", args.tree_budget), ("threshold", args.threshold),
                                ("ngram_assist", args.ngram_assist),
                                ("ngram_assist_max_len", args.ngram_assist_max_len)) if v is not None}
-    spec = SpecConfig(drafter=args.drafter, block_size=args.block_size, tree=args.tree, policy=policy, **given)
+    spec = SpecConfig(drafter=args.drafter, draft_model=getattr(args, "draft_model", None), block_size=args.block_size,
+                      tree=args.tree, policy=policy, **given)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

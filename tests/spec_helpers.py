@@ -169,7 +169,8 @@ def assets(tmp_path_factory) -> dict[str, str]:
     target, dspark (Markov head encodes f, block 8), dflash (block 9: 8 drafts), dspark_soft
     (weak Markov head, block 4: spread-out draft distributions), small_target (vocab 12, random:
     its sampling distribution can be enumerated), small_dspark (random, block 3), and
-    small_dspark_rv / dspark_rv (the same kinds with a reduced draft vocabulary)."""
+    small_dspark_rv / dspark_rv (the same kinds with a reduced draft vocabulary), eagle3 /
+    small_eagle3 (EAGLE-3 heads) and draft_model / small_draft_model (tiny targets as draft models)."""
     if not _ASSETS:
         root = tmp_path_factory.mktemp("spec_assets")
         _ASSETS["target"] = save_tiny_target(root / "target")
@@ -185,6 +186,13 @@ def assets(tmp_path_factory) -> dict[str, str]:
                                                        seed=6, vocab=SMALL_VOCAB, draft_vocab=[3, 5, 6, 7, 9, 10])
         _ASSETS["dspark_rv"] = save_tiny_drafter(root / "dspark_rv", "dspark", 8,
                                                  draft_vocab=list(range(17)) + ALPHABET[:16])
+        # other proposer kinds: EAGLE-3 heads (random, reduced vocabularies) and draft models (tiny
+        # targets of their own: the predictable one mostly follows f too, so its drafts often survive)
+        _ASSETS["eagle3"] = save_tiny_eagle3(root / "eagle3", _ASSETS["target"], list(range(17)) + ALPHABET)
+        _ASSETS["small_eagle3"] = save_tiny_eagle3(root / "small_eagle3", _ASSETS["small_target"], [3, 5, 6, 7, 9, 10])
+        _ASSETS["draft_model"] = save_tiny_target(root / "draft_model", seed=3)
+        _ASSETS["small_draft_model"] = save_tiny_target(root / "small_draft_model", predictable=False, seed=8,
+                                                        vocab=SMALL_VOCAB)
     return dict(_ASSETS)
 
 
@@ -236,3 +244,22 @@ def tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
     for i in range(1, n):
         m[i] |= m[int(torch.randint(0, i, (1,), generator=g))]
     return m
+
+
+def save_tiny_eagle3(folder: str | Path, target_folder: str, draft_vocab: list[int], seed: int = 2) -> str:
+    """A random EAGLE-3 head for the target in target_folder, in the published layout, drafting
+    from draft_vocab (sorted target ids)."""
+    from dspark.models.drafters.eagle3 import Eagle3Config, Eagle3Head, eagle3_hf_config, save_eagle3
+    from dspark.models.llama import LlamaConfig
+    from dspark.models.loader import load_config
+
+    tc = LlamaConfig.from_hf(load_config(target_folder))
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.from_hf(eagle3_hf_config(tc, len(draft_vocab), 96), tc))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("proj.weight") or name.startswith(("fc", "lm_head")):
+                p.normal_(0, 0.5 / p.shape[1] ** 0.5)
+        head.d2t.copy_(torch.tensor(draft_vocab) - torch.arange(len(draft_vocab)))
+    save_eagle3(head, folder)
+    return str(folder)

@@ -327,15 +327,18 @@ def small(tmp_path_factory):
 
 SMALL_PROMPT = [3, 5, 7, 9, 3, 5, 7, 9, 3, 5, 7]  # repetitive, so n-gram drafts too
 E2E = [("none", False), ("small_dspark", False), ("small_dspark", True), ("ngram", False),
-       ("small_dspark_rv", False), ("small_dspark_rv", True)]
+       ("small_dspark_rv", False), ("small_dspark_rv", True), ("small_eagle3", False), ("draft_model", False)]
 
 
 @pytest.mark.parametrize("drafter,tree", E2E, ids=["plain", "dspark-chain", "dspark-tree", "ngram",
-                                                    "dspark-reduced-vocab-chain", "dspark-reduced-vocab-tree"])
+                                                    "dspark-reduced-vocab-chain", "dspark-reduced-vocab-tree",
+                                                    "eagle3-chain", "draft-model-chain"])
 def test_engine_sampling_matches_target(small, drafter, tree):
     n = 3000
-    engine = make_engine(small["small_target"], small.get(drafter, drafter), tree=tree, tree_budget=4,
-                         tree_topk=2, max_num_seqs=1000)
+    # the draft model: another tiny random model on the same 12-token vocabulary, sampled with q
+    spec = {"drafter": None, "draft_model": small["small_draft_model"], "block_size": 3} \
+        if drafter == "draft_model" else {"drafter": small.get(drafter, drafter)}
+    engine = make_engine(small["small_target"], **spec, tree=tree, tree_budget=4, tree_topk=2, max_num_seqs=1000)
     sp = SamplingParams(temperature=T_E2E, top_k=K_E2E, max_tokens=4, ignore_eos=True)
     outs = run_requests(engine, [(SMALL_PROMPT, dataclasses.replace(sp, seed=i), None) for i in range(n)])
     pv = e2e_pvalue(outs, exact_first_three(small["small_target"], SMALL_PROMPT))

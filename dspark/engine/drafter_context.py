@@ -18,8 +18,9 @@ class DrafterContext:
 
     MAX_PENDING_ROWS = 8192  # past this, write anyway (bounded memory under a flood of prefills)
 
-    def __init__(self, drafter, kv, pool, device: torch.device):
-        self.drafter, self.kv, self.pool, self.device = drafter, kv, pool, device
+    def __init__(self, drafter, kv, pool, device: torch.device, next_ids: bool = False):
+        # next_ids: the drafter's K/V at a position also read the token after it (EAGLE-3)
+        self.drafter, self.kv, self.pool, self.device, self.next_ids = drafter, kv, pool, device, next_ids
         # one entry per step: (features of its kept rows, and for each request in row order
         # (seq, its preemption count then, first position, rows))
         self.pending: list[tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]] = []
@@ -44,7 +45,7 @@ class DrafterContext:
         """Write every pending position into the drafter's cache. A request that finished or was
         preempted since is skipped: its pages are gone, or its new prefill rewrites them."""
         pending, self.pending, self.pending_rows = self.pending, [], 0
-        feats, slots, positions = [], [], []
+        feats, slots, positions, after = [], [], [], []
         for f, entries in pending:
             keep, at = [], 0
             for seq, preemptions, start, n in entries:
@@ -52,10 +53,14 @@ class DrafterContext:
                     keep.extend(range(at, at + n))
                     slots.extend(self.pool.slots(seq.seq_id, start, start + n))
                     positions.extend(range(start, start + n))
+                    if self.next_ids:  # committed by now: the commit appended the step's tokens
+                        after.extend(seq.all_ids[start + 1:start + n + 1])
                 at += n
             if keep:
                 feats.append(f if len(keep) == at else f[torch.tensor(keep, device=f.device)])
         if feats:
             dev = self.device
+            extra = (torch.tensor(after, device=dev),) if self.next_ids else ()
             self.drafter.write_context(feats[0] if len(feats) == 1 else torch.cat(feats),
-                                       torch.tensor(positions, device=dev), torch.tensor(slots, device=dev), self.kv)
+                                       torch.tensor(positions, device=dev), torch.tensor(slots, device=dev), self.kv,
+                                       *extra)

@@ -33,9 +33,7 @@ from dspark.engine.proposers import make_spec_runner
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.structured import GrammarCache
 from dspark.engine.verify import Work, accept, layout
-from dspark.models.llama import LlamaConfig, LlamaModel
-from dspark.models.loader import load_config, load_state_dict, load_tokenizer, resolve_model_folder
-from dspark.models.quant import quantize_target
+from dspark.models.loader import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +46,10 @@ class Engine:
         config.validate()
         self.device = torch.device(config.resolved_device())
         self.dtype = config.resolved_dtype()
-        self.model_path = resolve_model_folder(config.model)
-        hf_cfg = load_config(self.model_path)
-        self.model_config = mc = LlamaConfig.from_hf(hf_cfg)
+        self.model, self.model_path = load_model(config.model, self.device, self.dtype, config.quantization)
+        self.model_config = mc = self.model.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        model = LlamaModel(mc)
-        model.load_hf_state_dict(load_state_dict(self.model_path, self.dtype))
-        self.model = model.to(self.device, self.dtype).eval()
-        self.quantization = quantize_target(self.model, config.quantization, config.model)
+        self.quantization = self.model.quantization
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -75,7 +69,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, kv, self.attn, self.device)
         self.spec_stats = SpecStats()  # engine-wide totals
         target = TargetView(self.model, self.pool, self.kv_pages, self.device, self.dtype, config.attention_backend,
-                            self.runner.batch_layout, self.max_model_len)
+                            self.runner.batch_layout, self.max_model_len, self.tokenizer, config.quantization)
         self.spec = make_spec_runner(config.spec, target, self.spec_stats, default_model=config.model is None)
         self._fit_context(num_pages * page_size)
         self.spec.max_model_len = self.max_model_len

@@ -32,16 +32,19 @@ class ModelRunner:
         self.graph_capture_layers: tuple[int, ...] = ()
 
     def batch_layout(self, items: list[tuple[Sequence, list[int]]], mask: str = "causal",
-                     custom_masks: list | None = None) -> tuple[AttnBatch, torch.Tensor, torch.Tensor]:
-        """AttnBatch plus flat token ids and positions for sequences each adding tokens
-        after their num_cached cached ones (pages must already be reserved)."""
+                     custom_masks: list | None = None,
+                     starts: list[int] | None = None) -> tuple[AttnBatch, torch.Tensor, torch.Tensor]:
+        """AttnBatch plus flat token ids and positions for sequences each adding tokens after
+        their first starts[i] positions (default: their num_cached cached ones); pages must
+        already be reserved."""
         q_lens = [len(toks) for _, toks in items]
-        kv_lens = [s.num_cached + n for (s, _), n in zip(items, q_lens)]
+        starts = starts if starts is not None else [s.num_cached for s, _ in items]
+        kv_lens = [at + n for at, n in zip(starts, q_lens)]
         batch = AttnBatch(q_lens=q_lens, kv_lens=kv_lens,
                           page_tables=[self.pool.tables[s.seq_id].pages for s, _ in items],
                           page_size=self.pool.page_size, mask=mask, custom_masks=custom_masks or [])
         ids = torch.tensor([t for _, toks in items for t in toks], dtype=torch.long)
-        pos = torch.cat([torch.arange(s.num_cached, s.num_cached + len(toks)) for s, toks in items])
+        pos = torch.cat([torch.arange(at, at + len(toks)) for at, (_, toks) in zip(starts, items)])
         return batch, ids.to(self.device), pos.to(self.device)
 
     @torch.inference_mode()

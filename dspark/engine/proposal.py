@@ -75,8 +75,10 @@ class TargetView:
     device: torch.device
     dtype: torch.dtype
     attention_backend: str
-    layout: Callable  # ModelRunner.batch_layout: (items, mask) -> (AttnBatch, ids, positions)
+    layout: Callable  # ModelRunner.batch_layout: (items, mask, starts) -> (AttnBatch, ids, positions)
     max_model_len: int
+    tokenizer: object = None  # the target's (a draft model must share it)
+    quantization: str = "auto"  # --quantization, for proposers that load a model of their own
 
 
 class Proposer:

@@ -165,10 +165,11 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA self-attention with fused qkv; K/V go to the paged cache via the backend."""
 
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, in_features: int | None = None):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.qkv_proj = Linear(c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
+        # in_features: an EAGLE-3 head attends over [token embedding; hidden state], twice as wide
+        self.qkv_proj = Linear(in_features or c.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=c.qkv_bias)
         self.o_proj = Linear(self.nh * self.hd, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps) if c.qk_norm else None

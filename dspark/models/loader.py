@@ -109,6 +109,20 @@ def load_state_dict(folder: str, dtype: torch.dtype, device: str = "cpu") -> dic
     return out
 
 
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype, quantization: str):  # noqa: ANN201
+    """(LlamaModel on device in dtype with its decoder linears as ``quantization`` asks, its HF
+    folder) for a ``--model`` value: None (the default), an HF folder or a .gguf file."""
+    from dspark.models.llama import LlamaConfig, LlamaModel
+    from dspark.models.quant import quantize_target
+
+    folder = resolve_model_folder(model)
+    net = LlamaModel(LlamaConfig.from_hf(load_config(folder)))
+    net.load_hf_state_dict(load_state_dict(folder, dtype))
+    net = net.to(device, dtype).eval()
+    net.quantization = quantize_target(net, quantization, model)
+    return net, folder
+
+
 def load_tokenizer(folder: str):  # noqa: ANN201 - a transformers tokenizer
     """``AutoTokenizer`` from ``folder`` (local files only), checked to keep its chat template."""
     from transformers import AutoTokenizer

@@ -11,26 +11,12 @@ from dspark.engine.attention import make_backend
 from dspark.engine.drafter_context import DrafterContext
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.proposal import Draft, Proposer, TargetView
-from dspark.engine.sampling import sample, warp_logits
+from dspark.engine.proposers.chain_walk import ChainWalk
 from dspark.engine.sequence import Sequence
-from dspark.engine.structured import DraftConstraint, TreeConstraint
+from dspark.engine.structured import TreeConstraint
 from dspark.engine.tree import build_trees
 from dspark.models.drafters.checkpoint import load_drafter
 from dspark.models.packed import pack_linears
-
-
-def sampling_settings(seqs: list[Sequence], width: int, device: torch.device) -> tuple:
-    """(temperature, top-k, top-p, min-p, uniforms [R, width]) of sampled requests' drafts: each
-    request draws its uniforms from its own generator (0.5 without one)."""
-    temp = torch.tensor([s.params.temperature for s in seqs], device=device)
-    top_k = torch.tensor([s.params.top_k for s in seqs], device=device)
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)
-    u = torch.full((len(seqs), width), 0.5)
-    for r, s in enumerate(seqs):
-        if s.generator is not None:
-            u[r] = torch.rand(width, generator=s.generator)
-    return temp, top_k, top_p, min_p, u.to(device)
 
 
 class BlockProposer(Proposer):
@@ -85,49 +71,24 @@ class BlockProposer(Proposer):
         return (self.drafter.block_hidden(ids, pos, attn, self.kv),)
 
     def _draft_chains(self, active: list[Sequence], h: torch.Tensor) -> list[Draft]:
-        """Walk the Markov head over the draft slots h [R, num_drafts, H]: per request its drafts,
-        their confidences (on the CPU), where a grammar stops them, and for sampled requests
-        their draft distributions q."""
+        """Walk the Markov head over the draft slots h [R, num_drafts, H]: each slot's logits given
+        the token drafted before it; confidences from the confidence head."""
         dc, dev = self.drafter.config, self.target.device
-        nd, R = dc.num_drafts, len(active)
-        greedy = all(s.params.greedy for s in active)
-        # Greedy drafts are one-hot, so they walk the (reduced) draft vocabulary and map the picks
-        # back, skipping a [R, V] scatter per slot; sampled drafts need q over the target's.
-        base = self.drafter.draft_logits(h) if greedy else self.drafter.head(h)  # [R, nd, V or Vd]
-        to_target = self.drafter.draft_to_target if greedy else None
-        if not greedy:
-            temp, top_k, top_p, min_p, u = sampling_settings(active, nd, dev)
+        walk = ChainWalk(active, dc.num_drafts, self.target.model.config.vocab_size, self.drafter.draft_to_target,
+                         dev, draft_confidence=False)
+        # greedy walks the (reduced) draft vocabulary; sampled drafts need q over the target's
+        base = self.drafter.head(h) if walk.samples_in_target_vocab else self.drafter.draft_logits(h)
         prev = torch.tensor([s.output_ids[-1] for s in active], device=dev)
-        grammars = [s.grammar for s in active]
-        constraint = DraftConstraint(grammars, self.target.model.config.vocab_size, to_target) \
-            if any(g is not None for g in grammars) else None
-        tokens, probs, prevs = [], [], []
+        prevs = []
         try:
-            for k in range(nd):
+            for k in range(dc.num_drafts):
                 prevs.append(prev)
-                logits = self.drafter.step_logits(base[:, k], prev)
-                if constraint is not None:
-                    logits = constraint.mask(logits, k)
-                if greedy:
-                    prev = logits.argmax(-1)
-                    if to_target is not None:
-                        prev = to_target[prev]
-                else:
-                    q = warp_logits(logits, temp, top_k, top_p, min_p)
-                    prev = sample(q, u[:, k])
-                    probs.append(q)
-                tokens.append(prev)
-                if constraint is not None:
-                    constraint.advance(prev, k)
-        finally:  # the matchers go back to their requests' committed state whatever happens
-            stops = constraint.finish() if constraint is not None else [None] * R
+                prev = walk.pick(self.drafter.step_logits(base[:, k], prev))
+        except BaseException:
+            walk.abandon()  # the matchers go back to their requests' committed state
+            raise
         conf = self.drafter.confidence(h, torch.stack(prevs, 1))
-        conf = torch.sigmoid(conf).float().cpu() if conf is not None else None
-        q = torch.stack(probs, 1) if probs else None  # [R, nd, V]
-        rows = torch.stack(tokens, 1).tolist()
-        return [Draft(rows[r], None if conf is None else conf[r],
-                      None if q is None or s.params.greedy else q[r], stop=stops[r], num_proposed=nd)
-                for r, s in enumerate(active)]
+        return walk.drafts(torch.sigmoid(conf).float().cpu() if conf is not None else None, dc.num_drafts)
 
     def _draft_trees(self, active: list[Sequence], budgets: list[int], h: torch.Tensor) -> list[Draft]:
         """Each request's draft tree, at most its draft budget deep, under its grammar if any:

@@ -1,0 +1,97 @@
+"""Picking a chain's draft tokens one position at a time, for every proposer that drafts chains
+(a block drafter's Markov walk, an EAGLE-3 head's or a draft model's autoregressive steps)."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.engine.proposal import Draft
+from dspark.engine.sampling import sample, warp_logits
+from dspark.engine.sequence import Sequence
+from dspark.engine.structured import DraftConstraint
+
+
+class ChainWalk:
+    """Draft tokens of a batch of requests, position by position, from each position's logits.
+
+    Greedy batches take the argmax (over a reduced draft vocabulary when ``to_target`` maps it to
+    target ids, skipping a scatter to the target's); sampled batches draw from each request's
+    warped distribution with uniforms from its own generator, and keep those distributions as q
+    (lossless acceptance needs them). Requests under a grammar draft only what it admits. Each
+    token's draft probability is kept as its confidence unless ``draft_confidence`` is False (a
+    proposer with a confidence head has its own). Call ``pick`` once per position, then ``drafts``."""
+
+    def __init__(self, seqs: list[Sequence], steps: int, vocab_size: int, to_target: torch.Tensor | None,
+                 device: torch.device, draft_confidence: bool = True, draws: list[int] | None = None):
+        self.seqs, self.steps, self.vocab_size, self.to_target = seqs, steps, vocab_size, to_target
+        self.draft_confidence = draft_confidence
+        self.greedy = all(s.params.greedy for s in seqs)
+        if not self.greedy:
+            self.warp = [torch.tensor([getattr(s.params, f) for s in seqs], device=device)
+                         for f in ("temperature", "top_k", "top_p", "min_p")]
+            # a seeded request draws as many uniforms as it may propose (draws[r]), whatever else
+            # shares the batch, so its output does not depend on its neighbours
+            u = torch.full((len(seqs), steps), 0.5)
+            for r, s in enumerate(seqs):
+                n = steps if draws is None else min(steps, draws[r])
+                if s.generator is not None and n:
+                    u[r, :n] = torch.rand(n, generator=s.generator)
+            self.u = u.to(device)
+        grammars = [s.grammar for s in seqs]
+        self.constraint = DraftConstraint(grammars, vocab_size, to_target if self.greedy else None) \
+            if any(g is not None for g in grammars) else None
+        self.tokens: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+        self.conf: list[torch.Tensor] = []
+
+    @property
+    def samples_in_target_vocab(self) -> bool:
+        """Whether pick() wants logits over the target vocabulary (sampling) rather than the draft's."""
+        return not self.greedy
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [R, Vd] -> target-vocabulary ones, -inf outside the draft vocabulary."""
+        if self.to_target is None:
+            return logits
+        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return out.index_copy(-1, self.to_target, logits)
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next position's tokens (target ids, [R]) from its logits: over the draft vocabulary
+        when greedy, over the target's when sampling (see to_target_logits)."""
+        k = len(self.tokens)
+        logits = logits.float()
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits, k)
+        if self.greedy:
+            pick = logits.argmax(-1)
+            if self.draft_confidence:
+                self.conf.append(torch.softmax(logits, -1).gather(-1, pick[:, None]).squeeze(-1))
+            tok = self.to_target[pick] if self.to_target is not None else pick
+        else:
+            q = warp_logits(logits, *self.warp)
+            tok = sample(q, self.u[:, k])
+            if self.draft_confidence:
+                self.conf.append(q.gather(-1, tok[:, None]).squeeze(-1))
+            self.probs.append(q)
+        self.tokens.append(tok)
+        if self.constraint is not None:
+            self.constraint.advance(tok, k)
+        return tok
+
+    def drafts(self, confidence: torch.Tensor | None = None, num_proposed: int | None = None) -> list[Draft]:
+        """One Draft per request from the positions picked so far; confidence [R, steps] replaces
+        the draft probabilities as survival estimates. Rolls the grammars back."""
+        stops = self.constraint.finish() if self.constraint is not None else [None] * len(self.seqs)
+        rows = torch.stack(self.tokens, 1).tolist()
+        if confidence is None and self.conf:
+            confidence = torch.stack(self.conf, 1).float().cpu()
+        q = torch.stack(self.probs, 1) if self.probs else None  # [R, steps, V]
+        return [Draft(rows[r], None if confidence is None else confidence[r],
+                      None if q is None or s.params.greedy else q[r], stop=stops[r], num_proposed=num_proposed)
+                for r, s in enumerate(self.seqs)]
+
+    def abandon(self) -> None:
+        """Roll the grammars back after a failure mid-walk."""
+        if self.constraint is not None:
+            self.constraint.finish()

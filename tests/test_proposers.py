@@ -1,0 +1,211 @@
+"""Every proposer kind behind the one interface: the Proposal contract and the controller without a
+model, then EAGLE-3 heads and draft models through the engine (greedy speculative output equals
+plain decoding), their checkpoints in the published layouts, and the errors a mismatch gives."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from spec_helpers import alphabet_prompts, assets, make_engine, run_requests
+
+from dspark.config import SamplingParams, SpecConfig
+from dspark.engine.controller import VerifyLengthController
+from dspark.engine.policy import Policy, ThresholdPolicy
+from dspark.engine.proposal import Draft
+from dspark.engine.sequence import SpecStats
+from dspark.engine.tree import DraftTree
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return assets(tmp_path_factory)
+
+
+# ---------------------------------------------------------------- the contract, no model
+def test_draft_cut_keeps_a_prefix_its_q_rows_and_the_grammar_stop():
+    q = torch.softmax(torch.randn(4, 10), -1)
+    d = Draft([5, 6, 7, 8], torch.tensor([0.9, 0.8, 0.7, 0.6]), q, stop=3, num_proposed=8)
+    p = d.cut(4)
+    assert p.tokens == [5, 6, 7] and torch.equal(p.q, q[:3]) and p.num_proposed == 8 and p.tree is None
+    p = d.cut(2)
+    assert p.tokens == [5, 6] and torch.equal(p.q, q[:2])
+    assert d.cut(0).tokens == [] and d.cut(0).q is None
+    assert Draft([1, 2]).num_proposed == 2 and Draft([1, 2]).cut(2).q is None  # one-hot: no q
+
+
+def test_draft_cut_prunes_a_tree_to_its_best_nodes():
+    t = DraftTree(tokens=[1, 2, 3], parents=[0, 0, 1], depths=[1, 1, 2], scores=[0.9, 0.2, 0.5])
+    d = Draft([], tree=t, num_proposed=16)
+    assert d.cut(3).tree is t and d.cut(3).num_proposed == 16
+    top = d.cut(2).tree
+    assert top.tokens == [1, 3] and top.parents == [0, 1]
+    assert d.cut(0).tree is None and d.cut(0).tokens == []
+
+
+def test_controller_cuts_chains_by_policy_and_budget():
+    stats = SpecStats()
+    drafts = [Draft([1, 2, 3, 4], torch.tensor([0.9, 0.9, 0.2, 0.9])), Draft([5, 6], None, looked_up=True)]
+    fixed = VerifyLengthController(Policy(), stats)
+    out = fixed.choose(drafts, [3, 8], 0, 0.0)
+    assert [p.tokens for p in out] == [[1, 2, 3], [5, 6]] and out[1].looked_up
+    thresh = VerifyLengthController(ThresholdPolicy(0.5), stats)
+    # the first draft stops before its 0.2; the second has no confidences: the running acceptance
+    # per position (0.5 before any step) stands in, which the threshold admits
+    assert [p.tokens for p in thresh.choose(drafts, [4, 2], 0, 0.0)] == [[1, 2], [5, 6]]
+
+
+def test_controller_backs_off_while_drafting_loses_and_recovers():
+    class Losing(Policy):
+        last_gain = 0.5
+
+    c = VerifyLengthController(Losing(), SpecStats())
+    c.record_pass(1, 0.01)  # the first pass is not judged: the drafter was taken to be free
+    assert not c.paused()
+    c.record_pass(1, 0.01)  # the running gain falls below 1: drafting pauses
+    assert c.skip_steps == c.MIN_BACKOFF and c.backoff == 2 * c.MIN_BACKOFF
+    assert all(c.paused() for _ in range(c.MIN_BACKOFF)) and not c.paused()
+    c.policy.last_gain = 3.0
+    for _ in range(4):
+        c.record_pass(1, 0.01)
+    assert c.gain > 1 and c.backoff == c.MIN_BACKOFF
+    assert c.estimated_draft_seconds(2) == pytest.approx(2 * c.draft_seconds[1])
+
+
+def test_draft_probs_in_verification_come_only_from_the_proposal():
+    from dspark.engine.verify import Work, _draft_probs
+
+    q = torch.softmax(torch.randn(2, 6), -1)
+    works = [Work(None, "decode", [0, 1, 2], drafts=[1, 2], q=q), Work(None, "decode", [0, 4], drafts=[4])]
+    out = _draft_probs(works, 2, 6, torch.device("cpu"))
+    assert torch.equal(out[0], q) and out[1, 0, 4] == 1 and out[1, 0].sum() == 1 and out[1, 1].sum() == 0
+    assert _draft_probs([works[1]], 1, 6, torch.device("cpu")) is None  # all one-hot: greedy-style accept
+
+
+# ---------------------------------------------------------------- through the engine
+KINDS = {"eagle3": {"drafter": "eagle3"}, "draft-model": {"drafter": None, "draft_model": "draft_model"}}
+
+
+def _engine(folders, kind: str, **kwargs):
+    spec = {k: folders.get(v, v) if isinstance(v, str) else v for k, v in KINDS[kind].items()}
+    return make_engine(folders["target"], **spec, **kwargs)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("assist", [0, 2])
+def test_greedy_speculation_equals_plain_decoding(folders, kind, assist):
+    prompts = alphabet_prompts([15, 16, 17, 31, 33, 40], seed=3)
+    engine = _engine(folders, kind, ngram_assist=assist, block_size=4)
+    reqs = [(p, GREEDY, None) for p in prompts]
+    spec = run_requests(engine, reqs)
+    plain = run_requests(make_engine(folders["target"]), reqs)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    st = engine.spec_stats
+    assert engine.spec.name == kind and st.verified > 0 and st.proposed >= st.verified
+    if kind == "draft-model":  # another predictable target: it agrees with this one often, not always
+        assert st.verified / 8 < st.accepted < st.verified, st.as_dict()
+
+
+def test_a_target_drafting_for_itself_is_accepted_throughout(folders):
+    """The target as its own draft model proposes exactly its own greedy tokens, so every draft
+    survives unless the draft cache went stale (accepted drafts it never fed, rejected ones left
+    behind): a check of that cache's bookkeeping."""
+    prompts = alphabet_prompts([15, 33, 40], seed=5)
+    engine = make_engine(folders["target"], None, draft_model=folders["target"], block_size=5, ngram_assist=0)
+    spec = run_requests(engine, [(p, GREEDY, None) for p in prompts])
+    plain = run_requests(make_engine(folders["target"]), [(p, GREEDY, None) for p in prompts])
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    st = engine.spec_stats
+    assert st.accepted >= 0.97 * st.verified, st.as_dict()
+
+
+def test_draft_model_drafts_after_a_preemption_and_under_mixed_budgets(folders):
+    """A small cache preempts requests (their draft cache is rebuilt from scratch) and requests near
+    max_tokens draft fewer tokens than the others in the same pass: output stays plain decoding's."""
+    prompts = alphabet_prompts([31, 33, 40], seed=9)
+    reqs = [(p, dataclasses.replace(GREEDY, max_tokens=m), None) for p, m in zip(prompts, [60, 7, 60])]
+    engine = _engine(folders, "draft-model", kv_cache_tokens=16 * 10, max_num_batched_tokens=40, block_size=6)
+    spec = run_requests(engine, reqs)
+    plain = run_requests(make_engine(folders["target"]), reqs)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.num_preemptions > 0
+
+
+def test_eagle3_sampled_drafts_carry_q_over_the_target_vocabulary(folders):
+    engine = _engine(folders, "eagle3", block_size=3, ngram_assist=0)
+    seen = []
+    real = engine.spec.proposer.draft
+
+    def recording(seqs, budgets):
+        out = real(seqs, budgets)
+        seen.extend(out)
+        return out
+
+    engine.spec.proposer.draft = recording
+    sp = SamplingParams(temperature=0.8, seed=1, max_tokens=12)
+    run_requests(engine, [(p, sp, None) for p in alphabet_prompts([20, 25], seed=4)])
+    assert seen and all(d.q is not None and d.q.shape[0] == len(d.tokens) for d in seen)
+    allowed = engine.spec.proposer.to_target
+    for d in seen:  # q is 0 outside the head's draft vocabulary, and sums to 1
+        outside = torch.ones(d.q.shape[-1], dtype=torch.bool)
+        outside[allowed] = False
+        assert float(d.q[:, outside].sum()) == 0 and torch.allclose(d.q.sum(-1), torch.ones(len(d.tokens)))
+
+
+# ---------------------------------------------------------------- checkpoints and errors
+def test_eagle3_checkpoint_has_the_published_layout(folders):
+    from safetensors import safe_open
+
+    with safe_open(f"{folders['eagle3']}/model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    for k in ("fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+              "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+              "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+              "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+              "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"):
+        assert k in keys, k
+    cfg = json.loads(open(f"{folders['eagle3']}/config.json").read())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 17 + 24
+    with safe_open(f"{folders['eagle3']}/model.safetensors", "pt") as f:
+        assert f.get_tensor("midlayer.self_attn.q_proj.weight").shape[1] == 2 * cfg["hidden_size"]
+
+
+def test_eagle3_for_another_target_is_a_clear_error(folders):
+    with pytest.raises(ValueError, match="vocab 12 != target vocab 49152"):
+        make_engine(folders["target"], folders["small_eagle3"])
+
+
+def test_draft_model_with_another_vocabulary_is_a_clear_error(folders):
+    with pytest.raises(ValueError, match=r"draft model vocabulary \(12 tokens\) differs from the target's \(49152\)"):
+        make_engine(folders["target"], None, draft_model=folders["small_draft_model"])
+
+
+def test_draft_model_with_another_tokenizer_is_a_clear_error():
+    from dspark.engine.proposers.draft_model import check_same_tokenizer
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    check_same_tokenizer(Tok({"a": 0, "b": 1}), Tok({"a": 0, "b": 1}), 2, 2)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        check_same_tokenizer(Tok({"a": 1, "b": 0}), Tok({"a": 0, "b": 1}), 2, 2)
+
+
+def test_conflicting_or_unsupported_settings_are_clear_errors(folders, tmp_path):
+    with pytest.raises(ValueError, match="drafter and draft_model are exclusive"):
+        SpecConfig(drafter="ngram", draft_model=folders["draft_model"]).validate()
+    with pytest.raises(ValueError, match="does not exist"):
+        SpecConfig(draft_model=str(tmp_path / "nowhere")).validate()
+    with pytest.raises(ValueError, match="--tree needs a drafter that drafts trees; eagle3 drafts chains"):
+        make_engine(folders["target"], folders["eagle3"], tree=True)

@@ -32,11 +32,7 @@ def _sdpa(q, k, v, mask=None, causal=False, scale=None):
 
 def _qkv(att, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotated q [B, T, H, D] and k, v [B, T, Hkv, D] of a target attention module."""
-    B, T = x.shape[:2]
-    q, k, v = att.qkv_proj(x).split([att.nh * att.hd, att.nkv * att.hd, att.nkv * att.hd], -1)
-    q, k, v = q.view(B, T, att.nh, att.hd), k.view(B, T, att.nkv, att.hd), v.view(B, T, att.nkv, att.hd)
-    if att.q_norm is not None:
-        q, k = att.q_norm(q), att.k_norm(k)
+    q, k, v = att.project(x)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
@@ -176,13 +172,11 @@ def drafter_blocks(drafter, feats: torch.Tensor, tokens: torch.Tensor, anchors: 
     mask = block_mask(anchors, T, Bk)
     for layer in drafter.layers:
         att = layer.self_attn
-        ck = apply_rotary(att.k_norm(att.k_proj(ctx).view(B, T, att.nkv, att.hd)), ccos, csin)
-        cv = att.v_proj(ctx).view(B, T, att.nkv, att.hd)
+        ck, cv = att.kv(ctx, ccos, csin)  # [B, T, nkv, hd]
         x = layer.input_layernorm(h)
         n = A * Bk
-        q = apply_rotary(att.q_norm(att.q_proj(x).view(B, n, att.nh, att.hd)), bcos, bsin)
-        bk = apply_rotary(att.k_norm(att.k_proj(x).view(B, n, att.nkv, att.hd)), bcos, bsin)
-        bv = att.v_proj(x).view(B, n, att.nkv, att.hd)
+        q, bk, bv = att.project(x)
+        q, bk = apply_rotary(q, bcos, bsin), apply_rotary(bk, bcos, bsin)
         k, v = torch.cat([ck, bk], 1), torch.cat([cv, bv], 1)
         o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask=mask, scale=att.scale)
         h = h + att.o_proj(o.reshape(B, n, -1))

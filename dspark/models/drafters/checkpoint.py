@@ -32,10 +32,15 @@ def check_fits(dc: DrafterConfig, tc: LlamaConfig, fc_in: int) -> None:
 
 
 def _to_module_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> the shared layers' fused q/k/v and gate/up projections."""
     out = {k.removeprefix("model."): v for k, v in sd.items()}
     for key in [k for k in out if k.endswith("mlp.gate_proj.weight")]:
         pre = key.removesuffix("gate_proj.weight")
         out[pre + "gate_up_proj.weight"] = torch.cat([out.pop(key), out.pop(pre + "up_proj.weight")])
+    for key in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
+        pre = key.removesuffix("q_proj.weight")
+        if all(pre + f"{x}_proj.weight" in out for x in "kv"):
+            out[pre + "qkv_proj.weight"] = torch.cat([out.pop(pre + f"{x}_proj.weight") for x in "qkv"])
     return out
 
 
@@ -85,11 +90,17 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype, device: str | tor
 def drafter_state_dict(model: BlockDrafter) -> dict[str, torch.Tensor]:
     """State dict in the DSpark layout (separate gate/up), without shared target weights."""
     out = {}
+    c = model.config
+    split = [c.num_attention_heads * c.head_dim] + [c.num_key_value_heads * c.head_dim] * 2
     for k, v in model.state_dict().items():
         if k.endswith("mlp.gate_up_proj.weight"):
             gate, up = v.chunk(2)
             pre = k.removesuffix("gate_up_proj.weight")
             out[pre + "gate_proj.weight"], out[pre + "up_proj.weight"] = gate, up
+        elif k.endswith("self_attn.qkv_proj.weight"):
+            pre = k.removesuffix("qkv_proj.weight")
+            for x, part in zip("qkv", v.split(split)):
+                out[pre + f"{x}_proj.weight"] = part
         else:
             out[k] = v
     return {k: v.detach().contiguous().cpu() for k, v in out.items()}

@@ -1,6 +1,7 @@
 """The DSpark block drafter (and DFlash, the same backbone without its two heads).
 
-One forward over [anchor, MASK x (B-1)] per request: queries come from the block,
+One forward over [anchor, MASK x (B-1)] per request through the shared decoder layers
+(layers.py): queries come from the block,
 keys/values from [context; block] with no causal mask inside the block. The context
 is the target's hidden states at `target_layer_ids`, fused by fc -> hidden_norm and
 projected by each layer's k/v into the drafter's own paged cache, incrementally.
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.llama import MLP, RMSNorm, Rotary, apply_rotary
+from dspark.models.layers import DecoderLayer, RMSNorm, Rotary
+from dspark.models.llama import LlamaConfig
 
 
 @dataclass
@@ -78,6 +80,15 @@ class DrafterConfig:
             rope_scaling=cfg.get("rope_scaling"),
             draft_vocab_size=cfg.get("draft_vocab_size") if kind == "dspark" else None)
 
+    def layer_config(self) -> LlamaConfig:
+        """The backbone layers' shape: Qwen3-style decoder layers (q/k norms, no biases)."""
+        return LlamaConfig(model_type="qwen3", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                           rope_scaling=self.rope_scaling, max_position_embeddings=1 << 20, tie_word_embeddings=False,
+                           qkv_bias=False, qk_norm=True, eos_token_id=[], bos_token_id=None)
+
     def to_hf(self) -> dict:
         """config.json in the DeepSpec DSpark layout."""
         d = asdict(self)
@@ -90,48 +101,6 @@ class DrafterConfig:
                      dflash_config={"mask_token_id": self.mask_token_id,
                                     "target_layer_ids": list(self.target_layer_ids)})
         return d
-
-
-class DraftAttention(nn.Module):
-    """Block queries over [paged context K/V; block K/V], Qwen3-style q/k norms."""
-
-    def __init__(self, c: DrafterConfig):
-        super().__init__()
-        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        H = c.hidden_size
-        self.q_proj = nn.Linear(H, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
-        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
-        self.scale = self.hd ** -0.5
-
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(n, self.nkv, self.hd))
-        return apply_rotary(k, cos, sin), self.v_proj(x).view(n, self.nkv, self.hd)
-
-    def forward(self, x, cos, sin, attn, k_cache, v_cache):
-        n = x.shape[0]
-        q = apply_rotary(self.q_norm(self.q_proj(x).view(n, self.nh, self.hd)), cos, sin)
-        k, v = self.kv(x, cos, sin)
-        return self.o_proj(attn.forward(q, k, v, k_cache, v_cache, self.scale).reshape(n, -1))
-
-
-class DraftLayer(nn.Module):
-    """Pre-norm block layer; the context enters only through the cached K/V."""
-
-    def __init__(self, c: DrafterConfig):
-        super().__init__()
-        self.self_attn = DraftAttention(c)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, h, cos, sin, attn, k_cache, v_cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class MarkovHead(nn.Module):
@@ -182,7 +151,10 @@ class BlockDrafter(nn.Module):
         m = len(c.target_layer_ids)
         self.fc = nn.Linear(m * target_hidden, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_hidden_layers))
+        # the shared decoder layer: block queries over [paged context K/V; block K/V], where the
+        # context enters only through the cached K/V (write_context)
+        layer = c.layer_config()
+        self.layers = nn.ModuleList(DecoderLayer(layer) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own_embed else None

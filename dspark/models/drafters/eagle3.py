@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dspark.models.llama import MLP, Attention, LlamaConfig, RMSNorm, Rotary, apply_rotary
+from dspark.models.layers import MLP, Attention, RMSNorm, Rotary
+from dspark.models.llama import LlamaConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -113,14 +114,10 @@ class Eagle3Head(nn.Module):
                       next_ids: torch.Tensor) -> None:
         """K/V of committed positions from the target's features and the tokens after them: one
         layer, so a position's K/V need no attention over the others."""
-        layer = self.midlayer
-        x = layer.inputs(self.embed(next_ids), self.fc(feats))
-        a = layer.self_attn
-        n = x.shape[0]
-        _, k, v = a.qkv_proj(x).split([a.nh * a.hd, a.nkv * a.hd, a.nkv * a.hd], -1)
-        cos, sin = self.rotary(positions, x.dtype)
-        kv.k[0].index_copy_(0, slots, apply_rotary(k.view(n, a.nkv, a.hd), cos, sin))
-        kv.v[0].index_copy_(0, slots, v.view(n, a.nkv, a.hd))
+        x = self.midlayer.inputs(self.embed(next_ids), self.fc(feats))
+        k, v = self.midlayer.self_attn.kv(x, *self.rotary(positions, x.dtype))
+        kv.k[0].index_copy_(0, slots, k)
+        kv.v[0].index_copy_(0, slots, v)
 
 
 def eagle3_hf_config(target: LlamaConfig, draft_vocab_size: int, intermediate_size: int | None = None) -> dict:

@@ -1,7 +1,8 @@
 """Offline benchmark: run methods side by side on one prompt set, in one process.
 
 Methods: ``hf`` (transformers ``generate``, greedy), ``ar`` (our engine, no drafter), ``ngram``,
-``dspark`` (the configured or default drafter), ``dspark-tree`` (the same, tree verification) and
+``dspark`` (the configured drafter: ``--drafter`` folder of any layout or ``--draft-model``; else
+the default one), ``dspark-tree`` (the same, tree verification) and
 ``llamacpp`` (llama.cpp on the same GGUF, one request at a time; see :mod:`dspark.bench.llamacpp`).
 
 Timing definitions (prefill excluded from decode speed):
@@ -39,9 +40,10 @@ from dspark.config import EngineConfig, SamplingParams
 
 METHODS = ("hf", "ar", "ngram", "dspark", "dspark-tree", "llamacpp")
 SPEC_METHODS = ("ngram", "dspark", "dspark-tree")
-# SpecConfig overrides per engine method; "dspark" keeps --drafter (None: the engine's default)
-ENGINE_METHODS: dict[str, dict[str, Any]] = {"ar": {"drafter": "none", "tree": False},
-                                             "ngram": {"drafter": "ngram", "tree": False},
+# SpecConfig overrides per engine method; "dspark" keeps --drafter or --draft-model (neither: the
+# engine's default drafter)
+ENGINE_METHODS: dict[str, dict[str, Any]] = {"ar": {"drafter": "none", "draft_model": None, "tree": False},
+                                             "ngram": {"drafter": "ngram", "draft_model": None, "tree": False},
                                              "dspark": {}, "dspark-tree": {"tree": True}}
 
 
@@ -302,5 +304,6 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
         "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "loadavg_1m_before": load_before, "batch_size": batch_size, "num_prompts": len(prompts),
         "max_tokens": max_tokens, "warmup": warmup, "chat": chat, "interleaved": interleave,
-        "drafter": cfg.spec.drafter, "block_size": cfg.spec.block_size, "spec_policy": cfg.spec.policy,
+        "drafter": cfg.spec.drafter, "draft_model": cfg.spec.draft_model, "block_size": cfg.spec.block_size,
+        "spec_policy": cfg.spec.policy,
         "methods": results, "wall_s": round(time.perf_counter() - t_start, 2)}

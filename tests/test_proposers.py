@@ -79,6 +79,26 @@ def test_controller_backs_off_while_drafting_loses_and_recovers():
     assert c.estimated_draft_seconds(2) == pytest.approx(2 * c.draft_seconds[1])
 
 
+def test_sibling_trees_hold_the_chain_and_its_alternatives():
+    from dspark.engine.proposers.chain_walk import SiblingTree
+
+    seqs = [type("S", (), {"grammar": None})()]
+    walk = SiblingTree(seqs, 8, None, topk=2, budget=4)
+    walk.pick(torch.tensor([[0.0, 3.0, 2.0, -9, -9, -9, -9, -9]]))  # chain 1, sibling 2
+    walk.pick(torch.tensor([[0.0, -9, -9, 4.0, 3.9, -9, -9, -9]]))  # chain 3, sibling 4 (under 1)
+    walk.pick(torch.tensor([[5.0, -9, -9, -9, -9, -9, -9, 4.0]]))  # chain 0, sibling 7 (under 3)
+    (d,) = walk.drafts([3])
+    t = d.tree
+    assert d.num_proposed == 4 and len(t) == 4  # 6 nodes, the 4 likeliest kept
+    by_token = dict(zip(t.tokens, zip(t.parents, t.depths)))
+    assert by_token[1] == (0, 1) and by_token[3] == (t.tokens.index(1) + 1, 2)
+    assert all(t.scores[t.parents[i] - 1] >= t.scores[i] for i in range(len(t)) if t.parents[i])
+    shallow = SiblingTree(seqs, 8, None, topk=2, budget=4)
+    shallow.pick(torch.tensor([[0.0, 3.0, 2.0, -9, -9, -9, -9, -9]]))
+    shallow.pick(torch.tensor([[0.0, -9, -9, 4.0, 3.9, -9, -9, -9]]))
+    assert shallow.drafts([1])[0].tree.depths == [1, 1]  # a request's budget bounds its depth
+
+
 def test_draft_probs_in_verification_come_only_from_the_proposal():
     from dspark.engine.verify import Work, _draft_probs
 
@@ -99,10 +119,11 @@ def _engine(folders, kind: str, **kwargs):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("assist", [0, 2])
-def test_greedy_speculation_equals_plain_decoding(folders, kind, assist):
+@pytest.mark.parametrize("assist,tree", [(0, False), (2, False), (0, True), (2, True)],
+                         ids=["chain", "chain+assist", "tree", "tree+assist"])
+def test_greedy_speculation_equals_plain_decoding(folders, kind, assist, tree):
     prompts = alphabet_prompts([15, 16, 17, 31, 33, 40], seed=3)
-    engine = _engine(folders, kind, ngram_assist=assist, block_size=4)
+    engine = _engine(folders, kind, ngram_assist=assist, block_size=4, tree=tree, tree_budget=6, tree_topk=3)
     reqs = [(p, GREEDY, None) for p in prompts]
     spec = run_requests(engine, reqs)
     plain = run_requests(make_engine(folders["target"]), reqs)
@@ -202,10 +223,8 @@ def test_draft_model_with_another_tokenizer_is_a_clear_error():
         check_same_tokenizer(Tok({"a": 1, "b": 0}), Tok({"a": 0, "b": 1}), 2, 2)
 
 
-def test_conflicting_or_unsupported_settings_are_clear_errors(folders, tmp_path):
+def test_conflicting_settings_are_clear_errors(folders, tmp_path):
     with pytest.raises(ValueError, match="drafter and draft_model are exclusive"):
         SpecConfig(drafter="ngram", draft_model=folders["draft_model"]).validate()
     with pytest.raises(ValueError, match="does not exist"):
         SpecConfig(draft_model=str(tmp_path / "nowhere")).validate()
-    with pytest.raises(ValueError, match="--tree needs a drafter that drafts trees; eagle3 drafts chains"):
-        make_engine(folders["target"], folders["eagle3"], tree=True)

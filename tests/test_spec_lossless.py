@@ -327,12 +327,14 @@ def small(tmp_path_factory):
 
 SMALL_PROMPT = [3, 5, 7, 9, 3, 5, 7, 9, 3, 5, 7]  # repetitive, so n-gram drafts too
 E2E = [("none", False), ("small_dspark", False), ("small_dspark", True), ("ngram", False),
-       ("small_dspark_rv", False), ("small_dspark_rv", True), ("small_eagle3", False), ("draft_model", False)]
+       ("small_dspark_rv", False), ("small_dspark_rv", True), ("small_eagle3", False), ("small_eagle3", True),
+       ("draft_model", False), ("draft_model", True)]
 
 
 @pytest.mark.parametrize("drafter,tree", E2E, ids=["plain", "dspark-chain", "dspark-tree", "ngram",
                                                     "dspark-reduced-vocab-chain", "dspark-reduced-vocab-tree",
-                                                    "eagle3-chain", "draft-model-chain"])
+                                                    "eagle3-chain", "eagle3-tree", "draft-model-chain",
+                                                    "draft-model-tree"])
 def test_engine_sampling_matches_target(small, drafter, tree):
     n = 3000
     # the draft model: another tiny random model on the same 12-token vocabulary, sampled with q

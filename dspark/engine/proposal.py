@@ -89,6 +89,7 @@ class Proposer:
     num_drafts = 0  # most tokens one draft holds (a block); 0: no drafting
     capture_layers: tuple[int, ...] = ()  # target layers whose outputs commit() needs
     deterministic = False  # drafts are one-hot (prompt lookup): verified whole, no policy
+    trees = False  # whether draft() returns trees when SpecConfig.tree asks for them
     graphs = None  # CUDA-graph pool of the drafter's forward (block drafters)
     block_forward = None  # that forward, for cuda_graphs.install_graphs (None: nothing to capture)
     forward_tokens = 0  # tokens per request of block_forward

@@ -26,10 +26,10 @@ class SpecRunner:
         self.max_model_len = max_model_len  # the engine lowers it when the KV cache is small
         self.name = proposer.name
         self.capture_layers = proposer.capture_layers
-        if cfg.tree and proposer.num_drafts and not getattr(proposer, "trees", False):
-            raise ValueError(f"--tree needs a drafter that drafts trees; {proposer.name} drafts chains")
         self.block_size = proposer.num_drafts
         neural = proposer.num_drafts > 0 and not proposer.deterministic
+        if cfg.tree and neural and not proposer.trees:
+            raise ValueError(f"--tree needs a drafter that drafts trees; {proposer.name} drafts chains")
         # a block size the user set caps looked-up chains too; the drafter's own lets them grow
         self.assist = NgramAssist(cfg.ngram_assist, max(cfg.ngram_max, cfg.ngram_assist), self.block_size,
                                   cfg.block_size or cfg.ngram_assist_max_len) if neural and cfg.ngram_assist else None

@@ -1,5 +1,6 @@
-"""Picking a chain's draft tokens one position at a time, for every proposer that drafts chains
-(a block drafter's Markov walk, an EAGLE-3 head's or a draft model's autoregressive steps)."""
+"""Picking draft tokens one position at a time: chains for every proposer that drafts them (a block
+drafter's Markov walk, an EAGLE-3 head's or a draft model's autoregressive steps), and the
+sibling trees of the autoregressive proposers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dspark.engine.proposal import Draft
 from dspark.engine.sampling import sample, warp_logits
 from dspark.engine.sequence import Sequence
 from dspark.engine.structured import DraftConstraint
+from dspark.engine.tree import DraftTree
 
 
 class ChainWalk:
@@ -93,5 +95,72 @@ class ChainWalk:
 
     def abandon(self) -> None:
         """Roll the grammars back after a failure mid-walk."""
+        if self.constraint is not None:
+            self.constraint.finish()
+
+
+class SiblingTree:
+    """Draft trees for autoregressive proposers: the greedy chain, and at every depth the next
+    ``topk - 1`` likeliest tokens as siblings of the chain's token (children of the same chain
+    node). One proposer step per depth, as for a chain; the siblings cost no extra pass, and where
+    the chain's token is rejected a sibling may still be accepted. Nodes are scored by joint draft
+    probability and pruned to ``budget``; under a grammar, siblings come from the same masked
+    logits as the chain token, so every node is admissible. Children are tried as one-hot
+    proposals (tree acceptance), so sampled requests need no q."""
+
+    def __init__(self, seqs: list[Sequence], vocab_size: int, to_target: torch.Tensor | None, topk: int,
+                 budget: int):
+        self.seqs, self.to_target, self.topk, self.budget = seqs, to_target, topk, budget
+        grammars = [s.grammar for s in seqs]
+        self.constraint = DraftConstraint(grammars, vocab_size, to_target) \
+            if any(g is not None for g in grammars) else None
+        self.top_tok: list[torch.Tensor] = []  # per depth [R, k] target ids, the chain's first
+        self.top_p: list[torch.Tensor] = []  # per depth [R, k] draft probabilities
+
+    samples_in_target_vocab = False
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The chain's next tokens (target ids) from logits over the draft vocabulary."""
+        k = len(self.top_tok)
+        logits = logits.float()
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits, k)
+        p, idx = torch.softmax(logits, -1).topk(min(self.topk, logits.shape[-1]), -1)
+        tok = self.to_target[idx] if self.to_target is not None else idx
+        self.top_tok.append(tok)
+        self.top_p.append(p)
+        if self.constraint is not None:
+            self.constraint.advance(tok[:, 0], k)
+        return tok[:, 0]
+
+    def drafts(self, depths: list[int]) -> list[Draft]:
+        """One tree Draft per request, at most depths[r] deep. Rolls the grammars back."""
+        stops = self.constraint.finish() if self.constraint is not None else [None] * len(self.seqs)
+        toks = torch.stack(self.top_tok, 1).tolist()  # [R, D, k]
+        probs = torch.stack(self.top_p, 1).float().cpu().tolist()
+        out = []
+        for r in range(len(self.seqs)):
+            depth = min(depths[r], len(toks[r]) if stops[r] is None else stops[r])
+            tokens, parents, levels, scores = [], [], [], []
+            chain, joint = 0, 1.0  # the chain's node at the depth above (0: the anchor) and its score
+            for d in range(depth):
+                first = len(tokens) + 1
+                for j, (t, p) in enumerate(zip(toks[r][d], probs[r][d])):
+                    if p <= 0:  # masked by the grammar, or beyond a tiny vocabulary
+                        continue
+                    tokens.append(t)
+                    parents.append(chain)
+                    levels.append(d + 1)
+                    scores.append(joint * p)
+                    if j == 0:
+                        first = len(tokens)
+                if first > len(tokens):  # nothing admissible at this depth
+                    break
+                chain, joint = first, scores[first - 1]
+            tree = DraftTree(tokens, parents, levels, scores)
+            out.append(Draft([], tree=tree.top(min(self.budget, len(tree))), num_proposed=self.budget))
+        return out
+
+    def abandon(self) -> None:
         if self.constraint is not None:
             self.constraint.finish()

@@ -6,7 +6,8 @@ the same in both). Each step it first feeds the committed tokens it has not cach
 prompt, the accepted drafts it never saw, the anchor) in one pass, whose last row gives the
 first draft, then one token per pass for the rest of the chain. The K/V of drafts the target
 rejects stay in slots past the committed context, which the next step overwrites, so rejection
-needs no rollback of its own.
+needs no rollback of its own. With ``--tree`` the chain's siblings at each depth join it as a
+tree (chain_walk.SiblingTree).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dspark.config import SpecConfig
 from dspark.engine.attention import make_backend
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.proposal import Draft, Proposer, TargetView
-from dspark.engine.proposers.chain_walk import ChainWalk
+from dspark.engine.proposers.chain_walk import ChainWalk, SiblingTree
 from dspark.engine.sequence import Sequence
 from dspark.models.loader import load_model, load_tokenizer
 
@@ -37,9 +38,10 @@ class DraftModelProposer(Proposer):
     sampling distribution, confidences its probabilities of the drafted tokens."""
 
     name = "draft-model"
+    trees = True
 
     def __init__(self, cfg: SpecConfig, target: TargetView, path: str):
-        self.target = target
+        self.cfg, self.target = cfg, target
         self.model, folder = load_model(path, target.device, target.dtype, target.quantization)
         mc = self.model.config
         check_same_tokenizer(load_tokenizer(folder), target.tokenizer, mc.vocab_size,
@@ -69,9 +71,13 @@ class DraftModelProposer(Proposer):
         return self.model.logits(hidden[last])
 
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
+        V = self.target.model.config.vocab_size
+        if self.cfg.tree:  # a tree is never deeper than its node budget
+            budgets = [min(b, self.cfg.tree_budget) for b in budgets]
+            walk = SiblingTree(seqs, V, None, self.cfg.tree_topk, self.cfg.tree_budget)
         steps = max(budgets)
-        walk = ChainWalk(seqs, steps, self.target.model.config.vocab_size, None, self.target.device,
-                         draws=budgets)
+        if not self.cfg.tree:
+            walk = ChainWalk(seqs, steps, V, None, self.target.device, draws=budgets)
         with torch.inference_mode():
             starts = [self._cached(s) for s in seqs]
             # committed tokens not cached yet, through the anchor (all_ids ends with it)
@@ -90,11 +96,11 @@ class DraftModelProposer(Proposer):
             except BaseException:
                 walk.abandon()
                 raise
-        drafts = walk.drafts(num_proposed=steps)
-        for s, d, b in zip(seqs, drafts, budgets):
-            # fed from the anchor's position on: the anchor, then the drafts before the last
-            self.fed[s.seq_id] = (len(s.all_ids) - 1, [s.all_ids[-1]] + d.tokens[:b - 1])
-        return drafts
+        fed = torch.stack(walk.tokens if not self.cfg.tree else [t[:, 0] for t in walk.top_tok], 1).tolist()
+        for s, row, b in zip(seqs, fed, budgets):
+            # fed from the anchor's position on: the anchor, then the chain before its last token
+            self.fed[s.seq_id] = (len(s.all_ids) - 1, [s.all_ids[-1]] + row[:b - 1])
+        return walk.drafts(budgets) if self.cfg.tree else walk.drafts(num_proposed=steps)
 
     def release(self, seq_id: int) -> None:
         self.fed.pop(seq_id, None)

@@ -1,5 +1,6 @@
 """EAGLE-3 drafting (``--drafter`` a folder in the EAGLE-3 layout): autoregressive steps of a
-one-layer head over the target's fused low/mid/high features, chains.
+one-layer head over the target's fused low/mid/high features: chains, or sibling trees (the
+greedy chain plus the next likeliest tokens at each depth, chain_walk.SiblingTree).
 
 Committed positions enter the head's paged K/V at commit, from the target's features and the
 token after each position (one layer: no attention needed for them), deferred while drafting
@@ -16,7 +17,7 @@ from dspark.engine.attention import make_backend
 from dspark.engine.drafter_context import DrafterContext
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.proposal import Draft, Proposer, TargetView
-from dspark.engine.proposers.chain_walk import ChainWalk
+from dspark.engine.proposers.chain_walk import ChainWalk, SiblingTree
 from dspark.engine.sequence import Sequence
 from dspark.models.drafters.checkpoint import read_drafter_folder
 from dspark.models.drafters.eagle3 import load_eagle3
@@ -29,9 +30,10 @@ class Eagle3Proposer(Proposer):
     confidences its probabilities of the drafted tokens."""
 
     name = "eagle3"
+    trees = True
 
     def __init__(self, cfg: SpecConfig, target: TargetView, path: str):
-        self.target = target
+        self.cfg, self.target = cfg, target
         raw, sd = read_drafter_folder(path)
         self.head = load_eagle3(raw, sd, target.model, target.dtype, target.device, path).requires_grad_(False)
         c = self.head.config.layer
@@ -62,8 +64,13 @@ class Eagle3Proposer(Proposer):
         return bool(self.context.pending)
 
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
-        steps, dev = max(budgets), self.target.device
-        walk = ChainWalk(seqs, steps, self.target.model.config.vocab_size, self.to_target, dev, draws=budgets)
+        dev, V = self.target.device, self.target.model.config.vocab_size
+        if self.cfg.tree:  # a tree is never deeper than its node budget
+            budgets = [min(b, self.cfg.tree_budget) for b in budgets]
+            walk = SiblingTree(seqs, V, self.to_target, self.cfg.tree_topk, self.cfg.tree_budget)
+        steps = max(budgets)
+        if not self.cfg.tree:
+            walk = ChainWalk(seqs, steps, V, self.to_target, dev, draws=budgets)
         with torch.inference_mode():
             starts = []
             for s in seqs:
@@ -93,4 +100,4 @@ class Eagle3Proposer(Proposer):
             except BaseException:
                 walk.abandon()
                 raise
-        return walk.drafts(num_proposed=steps)
+        return walk.drafts(budgets) if self.cfg.tree else walk.drafts(num_proposed=steps)

@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "int8; safetensors stay dense), none (dense, pre-packed), int8, int4 (quantized at "
                         "load when the file is not); CUDA keeps dense weights")
     p.add_argument("--device", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the decoder layers over N processes (gloo on CPU, NCCL on CUDA); "
+                        "the drafter runs on rank 0")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--kv-cache-tokens", type=int, default=65536)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -84,7 +87,7 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-                        spec=spec)
+                        tensor_parallel_size=args.tensor_parallel_size, spec=spec)
 
 
 def check_at_least(args: argparse.Namespace, **bounds: int) -> None:

@@ -253,11 +253,13 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # share the KV pages of identical prompt prefixes (vLLM's)
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     seed: int = 0  # seeds the per-request seeds of requests that give none (reproducible runs, as vLLM)
+    tensor_parallel_size: int = 1  # ranks the decoder layers are split over (dspark/dist/)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid setting (before any weights load)."""
-        for name in ("page_size", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "kv_cache_tokens", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -279,6 +281,9 @@ class EngineConfig:
         except RuntimeError as e:
             raise ValueError(f"unknown device {self.device!r}: {e}") from None
         self.spec.validate()
+        if self.tensor_parallel_size > 1 and self.resolved_device() != "cpu":
+            raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) in this build; on CUDA use one GPU per "
+                             "server and replicas (docs/deploy.md)")
         if self.model is not None and not os.path.exists(os.path.expanduser(self.model)):
             raise ValueError(f"model path {self.model!r} does not exist; expected a Hugging Face folder "
                              "(config.json + *.safetensors) or a .gguf file")

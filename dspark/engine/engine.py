@@ -19,6 +19,7 @@ import time
 import torch
 
 from dspark.config import EngineConfig, SamplingParams
+from dspark.dist.workers import start_tensor_parallel
 from dspark.engine import profile
 from dspark.engine.attention import make_backend
 from dspark.engine.batch_planner import BatchPlanner
@@ -33,7 +34,7 @@ from dspark.engine.proposers import make_spec_runner
 from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.structured import GrammarCache
 from dspark.engine.verify import Work, accept, layout
-from dspark.models.loader import load_model, load_tokenizer
+from dspark.models.loader import load_model, load_tokenizer, resolve_model_folder
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,24 @@ class Engine:
         config.validate()
         self.device = torch.device(config.resolved_device())
         self.dtype = config.resolved_dtype()
-        self.model, self.model_path = load_model(config.model, self.device, self.dtype, config.quantization)
+        page_size = config.page_size
+        num_pages = max(1, config.kv_cache_tokens // page_size)
+        self.pool = PagePool(num_pages, page_size, prefix_caching=config.enable_prefix_caching)
+        # a few pages past the pool's own: the padding requests of CUDA graphs write there
+        self.scratch_pages = list(range(num_pages, num_pages + -(-SCRATCH_TOKENS // page_size)))
+        self.kv_pages = num_pages + len(self.scratch_pages)
+        self.workers = None  # tensor-parallel ranks 1..N-1
+        if config.tensor_parallel_size > 1:
+            self.model_path = resolve_model_folder(config.model)
+            self.workers, self.model, kv, self.attn, vocab = start_tensor_parallel(
+                config, self.model_path, self.device, self.dtype, self.kv_pages)
+        else:
+            self.model, self.model_path = load_model(config.model, self.device, self.dtype, config.quantization)
+            mc = self.model.config
+            kv = KVCache(mc.num_hidden_layers, self.kv_pages, page_size, mc.num_key_value_heads,
+                         mc.head_dim, self.dtype, self.device)
+            self.attn = make_backend(config.attention_backend, self.device)
+            vocab = self.model
         self.model_config = mc = self.model.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.quantization = self.model.quantization
@@ -57,23 +75,16 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        page_size = config.page_size
-        num_pages = max(1, config.kv_cache_tokens // page_size)
-        self.pool = PagePool(num_pages, page_size, prefix_caching=config.enable_prefix_caching)
-        # a few pages past the pool's own: the padding requests of CUDA graphs write there
-        self.scratch_pages = list(range(num_pages, num_pages + -(-SCRATCH_TOKENS // page_size)))
-        self.kv_pages = num_pages + len(self.scratch_pages)
-        kv = KVCache(mc.num_hidden_layers, self.kv_pages, page_size, mc.num_key_value_heads,
-                     mc.head_dim, self.dtype, self.device)
-        self.attn = make_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, self.pool, kv, self.attn, self.device)
+        self.runner = ModelRunner(self.model, self.pool, kv, self.attn, self.device, self.workers)
         self.spec_stats = SpecStats()  # engine-wide totals
-        target = TargetView(self.model, self.pool, self.kv_pages, self.device, self.dtype, config.attention_backend,
+        # proposers see the target's whole vocabulary (under tensor parallelism a full copy on rank 0)
+        target = TargetView(vocab, self.pool, self.kv_pages, self.device, self.dtype, config.attention_backend,
                             self.runner.batch_layout, self.max_model_len, self.tokenizer, config.quantization)
         self.spec = make_spec_runner(config.spec, target, self.spec_stats, default_model=config.model is None)
         self._fit_context(num_pages * page_size)
         self.spec.max_model_len = self.max_model_len
-        if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer":
+        if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer" \
+                and self.workers is None:
             self.enable_graphs(capture=True)
         self.spec.calibrate(lambda: profile.load_or_measure(self))
         self.planner = BatchPlanner(config, self.pool, self.spec)
@@ -83,6 +94,12 @@ class Engine:
         self._grammars: GrammarCache | None = None  # compiled on the first structured-output request
         self.draft_time = 0.0  # wall seconds spent in the drafter's proposals (bench: draft_share)
         self._finished_pending: list[Sequence] = []
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     def _fit_context(self, pool_tokens: int) -> None:
         """One request must fit the page pool alone, or the scheduler would preempt it forever:
@@ -210,7 +227,7 @@ class Engine:
                                      prompt_rows=[w.prompt_rows for w in works])
         accept(works, result.logits)
         attach_logprobs(works, result.logits)
-        attach_prompt_logprobs(works, result.hidden, self.runner.model)
+        attach_prompt_logprobs(works, result.hidden, self.runner)
         touched = self._commit(works, result)
         if not prefill:  # the acceptance read the logits, so the pass has finished on any device
             self.spec.observe_step(len(rows), time.perf_counter() - t0 - t_draft)
@@ -248,9 +265,7 @@ class Engine:
         """Move the accepted tree path's K/V to consecutive positions after the anchor."""
         src = torch.tensor(self.pool.slots_at(seq.seq_id, [start + r for r in kept]), device=self.device)
         dst = torch.tensor(self.pool.slots(seq.seq_id, start, start + len(kept)), device=self.device)
-        kv = self.runner.kv
-        kv.k[:, dst] = kv.k[:, src]
-        kv.v[:, dst] = kv.v[:, src]
+        self.runner.copy_slots(src, dst)
 
     def _append_tokens(self, seq: Sequence, new: list[int], logprobs: list | None = None) -> int:
         """Commit sampled tokens (and their logprobs), stopping exactly where plain decoding would."""

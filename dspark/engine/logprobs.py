@@ -43,7 +43,7 @@ def attach_logprobs(works: list[Work], logits: torch.Tensor | None) -> None:
         w.logprobs, i = entries[i:i + len(w.new_tokens)], i + len(w.new_tokens)
 
 
-def attach_prompt_logprobs(works: list[Work], hidden: torch.Tensor, model, chunk: int = 256) -> None:
+def attach_prompt_logprobs(works: list[Work], hidden: torch.Tensor, runner, chunk: int = 256) -> None:  # noqa: ANN001
     """Append to `seq.prompt_logprobs` (None for the first prompt token, then one TokenLogprob per
     prompt token) from the prefill rows of every request that asks. A prefill chunk's row i
     predicts the token after it; positions already scored (a preempted request's second prefill)
@@ -65,7 +65,7 @@ def attach_prompt_logprobs(works: list[Work], hidden: torch.Tensor, model, chunk
                 owners.append(seq)
     for at in range(0, len(rows), chunk):
         idx = torch.tensor(rows[at:at + chunk], device=hidden.device)
-        entries = token_logprobs(model.logits(hidden[idx]), toks[at:at + chunk], ks[at:at + chunk])
+        entries = token_logprobs(runner.logits(hidden[idx]), toks[at:at + chunk], ks[at:at + chunk])
         for seq, e in zip(owners[at:at + chunk], entries):
             seq.prompt_logprobs.append(e)
 

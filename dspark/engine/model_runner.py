@@ -10,7 +10,7 @@ from dspark.engine.attention import AttnBatch
 from dspark.engine.cuda_graphs import GraphPool
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.sequence import Sequence
-from dspark.models.packed import RowSplit
+from dspark.engine.step_input import StepInput, run_step
 
 
 @dataclass
@@ -23,11 +23,18 @@ class ForwardResult:
     row_starts: list[int]
 
 
+def copy_slots(kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """K/V of every layer from slots src to slots dst."""
+    kv.k[:, dst] = kv.k[:, src]
+    kv.v[:, dst] = kv.v[:, src]
+
+
 class ModelRunner:
     """Owns the target model, its KV tensors and the attention backend."""
 
-    def __init__(self, model, pool: PagePool, kv: KVCache, attn, device: torch.device):
+    def __init__(self, model, pool: PagePool, kv: KVCache, attn, device: torch.device, workers=None):  # noqa: ANN001
         self.model, self.pool, self.kv, self.attn, self.device = model, pool, kv, attn, device
+        self.workers = workers  # dist.workers.Workers: tensor-parallel ranks mirroring every call
         self.graphs: dict[int, GraphPool] = {}  # tokens per request -> padded (captured) forwards
         self.graph_capture_layers: tuple[int, ...] = ()
 
@@ -58,21 +65,32 @@ class ModelRunner:
         if positions is not None:
             pos = positions.to(self.device)
         out = self._graph_forward(batch, ids, capture, positions is not None)
-        if out is None:
-            self.attn.plan(batch)
-            # only CPU layers (pre-packed, int4/int8) read the split: no index tensors elsewhere
-            on_cpu = self.device.type == "cpu"
-            rows = RowSplit.of(batch.q_lens, prompt_rows, self.device) if prompt_rows and on_cpu else None
-            out = self.model(ids, pos, self.attn, self.kv, capture, rows)
-        hidden, feats = out
-        logits = None
-        if logit_rows:
-            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        if out is not None:
+            hidden, feats = out
+            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
+        else:
+            step = StepInput(ids, pos, batch, tuple(capture), prompt_rows, logit_rows or None)
+            if self.workers is not None:
+                self.workers.send(*step.to_message())
+            hidden, feats, logits = run_step(self.model, self.kv, self.attn, step)
         starts, acc = [], 0
         for n in batch.q_lens:
             starts.append(acc)
             acc += n
         return ForwardResult(hidden, feats, logits, starts)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits of some hidden rows (every rank takes part under tensor parallelism)."""
+        if self.workers is not None:
+            self.workers.send({"op": "logits"}, [hidden.cpu()])
+        return self.model.logits(hidden)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move cached K/V between slots (a tree's accepted path into place), on every rank."""
+        if self.workers is not None:
+            self.workers.send({"op": "copy"}, [src.cpu(), dst.cpu()])
+        copy_slots(self.kv, src, dst)
 
     def _graph_forward(self, batch: AttnBatch, ids, capture, custom_positions: bool):
         """(hidden, feats) from a graph pool when one fits this batch, else None."""

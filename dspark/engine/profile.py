@@ -21,7 +21,7 @@ def _key(engine) -> str:
     # a small KV cache measures only part of the ladder (the fit): its profile is kept apart
     raw = (f"v3|{engine.model_path}|{engine.device}|{engine.dtype}|{torch.get_num_threads()}|{engine.attn.name}"
            f"|graphs={bool(engine.runner.graphs)}|fit={_fit(engine.pool, LADDER)}"
-           f"|linears={','.join(sorted(engine.quantization))}")
+           f"|linears={','.join(sorted(engine.quantization))}|tp={engine.config.tensor_parallel_size}")
     if engine.device.type == "cuda":
         raw += "|" + torch.cuda.get_device_name(engine.device)
     return hashlib.sha256(raw.encode()).hexdigest()[:16]

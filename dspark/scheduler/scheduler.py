@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dspark.config import SamplingParams
+from dspark.dist.group import PeerLost
 from dspark.engine.engine import Engine
 from dspark.engine.sequence import RequestOutput
 from dspark.scheduler.errors import ContextLengthError, EngineError, QueueFullError, RequestAborted, UnavailableError
@@ -107,6 +108,7 @@ class AsyncEngine:
         self._seen = (engine.spec_stats.steps, engine.spec_stats.generated)
         self._last_log = time.perf_counter()
         self._busy = False
+        self.fatal: str | None = None  # why the engine can no longer run (the server then exits)
 
     # ------------------------------------------------------------- event loop side
     def start(self) -> None:
@@ -186,6 +188,10 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
 
+    def _abort_all(self, reason: str) -> None:
+        for rid in list(self._streams):
+            self.abort(rid, reason)
+
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         for rid in request_ids:
             stream = self._streams.pop(rid, None)
@@ -219,6 +225,12 @@ class AsyncEngine:
                 self._dirty = False
                 try:
                     outs = eng.step()
+                except PeerLost as e:  # a tensor-parallel rank died: nothing can run any more
+                    logger.error("engine lost: %s; failing %d request(s) and stopping", e, len(self._streams))
+                    self.fatal = str(e)
+                    self.accepting = False
+                    self._loop.call_soon_threadsafe(self._abort_all, f"the engine stopped: {e}")
+                    return
                 except Exception as e:  # keep serving: fail what was running, free its pages
                     logger.exception("engine step failed; aborting %d request(s)", len(eng.seqs))
                     self._recover(e)

@@ -78,9 +78,14 @@ class ServerState:
         self.created = int(time.time())
 
     @property
+    def fatal(self) -> str | None:
+        """Why a running engine stopped for good (a tensor-parallel worker died), if it did."""
+        return self.scheduler.fatal if self.scheduler is not None else None
+
+    @property
     def status(self) -> str:
         """loading | ready | shutting down | failed."""
-        if self.load_error:
+        if self.load_error or self.fatal:
             return "failed"
         if self.scheduler is None:
             return "loading"
@@ -110,7 +115,8 @@ class ServerState:
     def require_ready(self) -> AsyncEngine:
         if self.status != "ready":
             msg = {"loading": "the model is still loading; retry shortly",
-                   "failed": f"the engine failed to load: {self.load_error}"}.get(
+                   "failed": f"the engine failed to load: {self.load_error}" if self.load_error
+                   else f"the engine stopped: {self.fatal}"}.get(
                        self.status, "the server is shutting down")
             raise APIError(503, msg)
         assert self.scheduler is not None

@@ -44,7 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    return 1 if app.state.dspark.load_error else 0
+    return 1 if app.state.dspark.load_error or app.state.dspark.fatal else 0
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction,

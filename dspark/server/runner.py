@@ -33,8 +33,8 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
-        if self.dspark_state.load_error is not None:
-            return True  # the engine failed to load: exit (status 1) rather than answer 503 forever
+        if self.dspark_state.load_error is not None or self.dspark_state.fatal:
+            return True  # the engine failed to load or died: exit (status 1) rather than answer 503 forever
         return await super().on_tick(counter)
 
     @contextlib.contextmanager

@@ -1,0 +1,1 @@
+"""Past one process: tensor parallelism over torch.distributed (gloo, CPU)."""

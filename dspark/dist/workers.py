@@ -1,0 +1,130 @@
+"""Tensor-parallel worker processes: rank 0 (the engine) spawns ranks 1..N-1 with
+torch.multiprocessing, each loads its shard and KV heads, then mirrors every call rank 0 makes on
+its model: a forward (a StepInput), LM-head logits of some rows, or a K/V slot copy. Rank 0
+schedules, samples and drafts; the workers only compute.
+
+A worker that dies makes rank 0's next collective fail (gloo closes its connections), and rank 0
+checks the processes before each call too: either way the engine raises PeerLost and the server
+answers 503 and exits, never hanging or answering from a partial model.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from dataclasses import dataclass
+
+import torch
+
+from dspark.dist.group import Group, PeerLost, free_port
+from dspark.dist.tensor_parallel import build_shard, config_of, local_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardSpec:
+    """What a rank needs to build its part of the engine (plain data: it crosses a process spawn)."""
+
+    folder: str  # the target's HF folder (a GGUF is converted to one before the workers start)
+    dtype: str
+    device: str
+    kv_pages: int
+    page_size: int
+    attention_backend: str
+    threads: int
+
+
+def build_rank(spec: ShardSpec, group: Group):  # noqa: ANN201 - (model, kv, attn)
+    """The model shard, its KV cache (this rank's KV heads) and an attention backend."""
+    from dspark.engine.attention import make_backend
+    from dspark.engine.kv_cache import KVCache
+
+    device, dtype = torch.device(spec.device), getattr(torch, spec.dtype)
+    c = config_of(spec.folder)
+    model = build_shard(spec.folder, c, group, device, dtype)
+    lc = local_config(c, group.world)
+    kv = KVCache(c.num_hidden_layers, spec.kv_pages, spec.page_size, lc.num_key_value_heads, c.head_dim,
+                 dtype, device)
+    return model, kv, make_backend(spec.attention_backend, device)
+
+
+def _worker_main(rank: int, world: int, port: int, spec: ShardSpec) -> None:
+    from dspark.engine.model_runner import copy_slots
+    from dspark.engine.step_input import StepInput, run_step
+
+    torch.set_num_threads(spec.threads)
+    group = Group.join(rank, world, port)
+    model, kv, attn = build_rank(spec, group)
+    device = torch.device(spec.device)
+    with torch.inference_mode():
+        while True:
+            header, tensors = group.broadcast()
+            op = header["op"]
+            if op == "stop":
+                return
+            if op == "forward":
+                run_step(model, kv, attn, StepInput.from_message(header, tensors, device))
+            elif op == "logits":
+                model.logits(tensors[0].to(device))
+            elif op == "copy":
+                copy_slots(kv, tensors[0].to(device), tensors[1].to(device))
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..N-1: start them, send each call, watch them, stop them."""
+
+    def __init__(self, spec: ShardSpec, world: int):
+        self.world = world
+        port = free_port()
+        ctx = mp.get_context("spawn")  # fork would copy the engine's threads and locks
+        self.procs = [ctx.Process(target=_worker_main, args=(r, world, port, spec), daemon=True,
+                                  name=f"dspark-tp-{r}") for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        self.group = Group.join(0, world, port)
+
+    def check(self) -> None:
+        """PeerLost when a worker process has exited."""
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            raise PeerLost(f"tensor-parallel worker {dead[0].name} exited (code {dead[0].exitcode})")
+
+    def send(self, header: dict, tensors: list[torch.Tensor]) -> None:
+        """Every worker runs this call now (rank 0 runs it right after, joining its collectives)."""
+        self.check()
+        self.group.broadcast(header, tensors)
+
+    def close(self) -> None:
+        """Stop the workers (best effort: a dead group is left to the OS)."""
+        try:
+            if all(p.is_alive() for p in self.procs):
+                self.group.broadcast({"op": "stop"}, [])
+        except PeerLost:
+            pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def start_tensor_parallel(config, folder: str, device: torch.device, dtype: torch.dtype,  # noqa: ANN001
+                          kv_pages: int):  # noqa: ANN201 - (Workers, model, kv, attn, VocabView)
+    """Rank 0's side of an engine with config.tensor_parallel_size ranks: the workers started,
+    this rank's shard, KV cache and attention backend, and the full-vocabulary view proposers use.
+    The decoder layers run dense (weight-only quantized shards are not built)."""
+    from dspark.dist.tensor_parallel import check_divisible, vocab_view
+
+    world = config.tensor_parallel_size
+    check_divisible(config_of(folder), world)  # before any process starts
+    if config.quantization not in ("auto", "none"):
+        log.warning("--quantization %s: tensor-parallel shards run dense layers", config.quantization)
+    spec = ShardSpec(folder, str(dtype).removeprefix("torch."), str(device), kv_pages, config.page_size,
+                     config.attention_backend, torch.get_num_threads())
+    workers = Workers(spec, world)
+    try:
+        model, kv, attn = build_rank(spec, workers.group)
+    except BaseException:
+        workers.close()
+        raise
+    return workers, model, kv, attn, vocab_view(folder, model.config, device, dtype)

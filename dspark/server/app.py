@@ -62,7 +62,7 @@ class ServerState:
 
     def __init__(self, served_model_name: str | list[str] | None, api_key: str | None, max_queue: int,
                  shutdown_timeout: float, log_interval: float, metrics_window_s: float,
-                 tool_parser: HermesParser | Llama3JsonParser | None = None):
+                 tool_parser: HermesParser | Llama3JsonParser | None = None, replica_name: str | None = None):
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
         self.names = names
         self.api_key = api_key or None
@@ -71,6 +71,7 @@ class ServerState:
         self.log_interval = log_interval
         self.metrics_window_s = metrics_window_s
         self.tool_parser = tool_parser  # None: tool_choice "auto" is refused
+        self.replica_name = replica_name  # a "replica" label on every metric (several servers, one endpoint)
         self.engine: Engine | None = None
         self.scheduler: AsyncEngine | None = None
         self.metrics: ServerMetrics | None = None
@@ -94,7 +95,7 @@ class ServerState:
     def attach(self, engine: Engine) -> None:
         """Start serving `engine` (from the event loop)."""
         self.names = self.names or [engine.model_name]
-        metrics = ServerMetrics(self.names[0])
+        metrics = ServerMetrics(self.names[0], self.replica_name)
         metrics.set_baseline(engine.num_preemptions, engine.pool.prefix_queries, engine.pool.prefix_hits)
         sched = AsyncEngine(engine, self.max_queue, [metrics], self.log_interval, self.metrics_window_s)
         metrics.bind_window(sched.window)
@@ -144,7 +145,7 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
                served_model_name: str | list[str] | None = None, api_key: str | None = None,
                max_queue: int = 256, shutdown_timeout: float = 30.0, log_interval: float = 5.0,
                metrics_window_s: float = 10.0, allowed_origins: list[str] | tuple[str, ...] = ("*",),
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, replica_name: str | None = None) -> FastAPI:
     """An app serving a loaded Engine, or an EngineConfig (None: defaults) loaded in the background.
 
     api_key: when set, /v1/* need `Authorization: Bearer <api_key>` (health and metrics stay open).
@@ -152,10 +153,11 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
     max_queue: requests allowed beyond max_num_seqs before 429. shutdown_timeout: seconds running
     requests get to finish at shutdown before they are aborted. tool_call_parser: the format
     tool_choice "auto" reads tool calls in (vLLM's --tool-call-parser; None: "auto" is refused).
+    replica_name: labels every metric with replica=<name> (one of several servers behind a balancer).
     """
     parser = make_parser(tool_call_parser) if tool_call_parser is not None else None
     state = ServerState(served_model_name, api_key, max_queue, shutdown_timeout, log_interval, metrics_window_s,
-                        parser)
+                        parser, replica_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -170,6 +172,8 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
         if state.scheduler is not None:
             await state.scheduler.drain(state.shutdown_timeout)
             await state.scheduler.stop()
+        if state.engine is not None:
+            state.engine.close()  # tensor-parallel workers
 
     app = FastAPI(title="dspark", version=__version__, lifespan=lifespan)
     app.state.dspark = state

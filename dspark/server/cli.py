@@ -32,7 +32,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(config, served_model_name=args.served_model_name, api_key=api_key,
                      max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
                      allowed_origins=args.allowed_origins,
-                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                     replica_name=args.replica_name or os.environ.get("DSPARK_REPLICA_NAME") or None)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                timeout_graceful_shutdown=args.shutdown_timeout)
     GracefulServer(uv_config, app.state.dspark).run()
@@ -69,5 +70,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
     p.add_argument("--tool-call-parser", default=None, metavar="{hermes,llama3_json}",
                    help="that format (hermes: <tool_call>{...}</tool_call>, as Qwen2.5/Qwen3 write; "
                         "llama3_json: bare {\"name\", \"parameters\"} objects, as Llama 3.1-3.3 write)")
+    p.add_argument("--replica-name", default=None,
+                   help="label every metric replica=NAME, for several servers behind one endpoint "
+                        "(default: $DSPARK_REPLICA_NAME; none: no label)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

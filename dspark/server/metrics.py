@@ -42,9 +42,10 @@ _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50
 class ServerMetrics:
     """All of one server's metrics; thread-safe, implements the scheduler's StatsListener."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, replica: str | None = None):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        labels = {"model_name": model_name}
+        # replica: one server of several behind one endpoint, so their series stay apart once summed
+        labels = {"model_name": model_name} | ({"replica": replica} if replica else {})
         names, lv = list(labels), list(labels.values())
 
         def gauge(name: str, doc: str) -> Gauge:

@@ -119,8 +119,11 @@ def start_tensor_parallel(config, folder: str, device: torch.device, dtype: torc
     check_divisible(config_of(folder), world)  # before any process starts
     if config.quantization not in ("auto", "none"):
         log.warning("--quantization %s: tensor-parallel shards run dense layers", config.quantization)
+    # the ranks share the machine's cores: N processes each with every core would oversubscribe
+    threads = max(1, torch.get_num_threads() // world)
+    torch.set_num_threads(threads)
     spec = ShardSpec(folder, str(dtype).removeprefix("torch."), str(device), kv_pages, config.page_size,
-                     config.attention_backend, torch.get_num_threads())
+                     config.attention_backend, threads)
     workers = Workers(spec, world)
     try:
         model, kv, attn = build_rank(spec, workers.group)

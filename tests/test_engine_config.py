@@ -22,7 +22,7 @@ BAD = [
     ({"kv_cache_tokens": 8}, "one page"), ({"page_size": 0}, "page_size"), ({"max_model_len": 0}, "max_model_len"),
     ({"max_model_len": -5}, "max_model_len"), ({"dtype": "bf61"}, "dtype"), ({"device": "gpu9"}, "device"),
     ({"attention_backend": "flash"}, "attention backend"), ({"cuda_graph_batch_sizes": [0, 8]}, "cuda_graph"),
-    ({"spec": SpecConfig(block_size=0)}, "block_size"),
+    ({"spec": SpecConfig(block_size=0)}, "block_size"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
 ]
 
 
@@ -31,7 +31,7 @@ def test_bad_engine_config_is_refused_before_loading(kwargs, words, monkeypatch)
     def no_load(*args, **kw):
         raise AssertionError("weights were loaded for an invalid config")
 
-    monkeypatch.setattr("dspark.engine.engine.load_state_dict", no_load)
+    monkeypatch.setattr("dspark.models.loader.load_state_dict", no_load)
     with pytest.raises(ValueError, match=words):
         Engine(EngineConfig(model="/nonexistent", **kwargs))
 

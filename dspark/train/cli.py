@@ -1,9 +1,9 @@
-"""`dspark train-drafter` and `dspark eval-drafter`.
+"""`dspark train-drafter` (eval-drafter and average-drafters: eval_cli.py).
 
 train-drafter does everything from a prompts file, resumably, in one command:
   1. self-distillation data into <out>/data (skips shards already written),
   2. training with checkpoints in <out>/ckpt (resumes from them),
-  3. export to <out>/final (DSpark layout) and <out>/train_stats.json.
+  3. export to <out>/final (DSpark layout, or EAGLE-3's with --kind eagle3) and <out>/train_stats.json.
 --time-budget-minutes counts from the start of the command: data generation stops after
 the shard in progress, training stops after the step in progress; both leave a resumable
 state and training exports what it has. Run the same command again to continue.
@@ -18,11 +18,20 @@ import sys
 import time
 from pathlib import Path
 
-from dspark.cli import check_at_least, check_output_path
+from dspark.cli import check_at_least
+from dspark.train.eval_cli import add_eval_parsers
+
+# Flags of one --kind only. They default to None so that the other kind can tell them given (and
+# refuse them: a run that silently trains something else than asked costs an hour); DSpark's
+# defaults are filled in here, EAGLE-3's come from Eagle3TrainConfig.
+DSPARK_FLAGS = {"init_from": None, "num_layers": 2, "block_size": 8, "markov_rank": 32, "target_layers": None,
+                "mask_token_id": None, "anchors_per_seq": 32, "gamma": 4.0, "loss_weights": "0.1,0.9,1.0",
+                "compile_loss": False}
+EAGLE3_FLAGS = ("ttt_steps", "kl_weight")
 
 
 def add_train_parsers(sub) -> None:
-    t = sub.add_parser("train-drafter", help="self-distill data, train a DSpark drafter, export it")
+    t = sub.add_parser("train-drafter", help="self-distill data, train a DSpark drafter or EAGLE-3 head, export it")
     t.add_argument("--prompts", required=True, help="jsonl with 'prompt' (or 'turns') per line")
     t.add_argument("--num-prompts", type=int, default=None, help="first N prompts of the file (default: all)")
     t.add_argument("--skip-prompts", type=int, default=0,
@@ -30,6 +39,9 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--out", required=True, help="run folder (data/, ckpt/, final/, train_stats.json)")
     t.add_argument("--data-dir", default=None, help="token shards (default: <out>/data)")
     t.add_argument("--model", default=None, help="target: HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    t.add_argument("--kind", default="dspark", choices=["dspark", "eagle3"],
+                   help="dspark: a DSpark block drafter; eagle3: an EAGLE-3 head trained with training-time test "
+                        "(exported in the published EAGLE-3 layout)")
     t.add_argument("--device", default="auto")
     t.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="auto: bf16 autocast on CUDA, fp32 on CPU")
@@ -42,33 +54,41 @@ def add_train_parsers(sub) -> None:
                    help="auto: the dense batched decoder on CUDA, our engine on CPU")
     g.add_argument("--shard-size", type=int, default=1024)
     g.add_argument("--data-only", action="store_true", help="stop after writing the data")
-    m = t.add_argument_group("drafter")
+    m = t.add_argument_group("drafter", "flags marked DSpark or EAGLE-3 apply to that --kind only (the other "
+                             "kind refuses them)")
     m.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
-                   help="warm start: the weights, config and draft vocabulary of this drafter checkpoint "
-                        "(the other drafter flags are then ignored); a run that resumes from <out>/ckpt "
-                        "ignores it")
-    m.add_argument("--num-layers", type=int, default=2)
-    m.add_argument("--block-size", type=int, default=8)
-    m.add_argument("--markov-rank", type=int, default=32)
+                   help="DSpark: warm start from the weights, config and draft vocabulary of this drafter "
+                        "checkpoint (the other drafter flags are then ignored); a run that resumes from "
+                        "<out>/ckpt ignores it")
+    m.add_argument("--num-layers", type=int, default=None, help="DSpark (default 2)")
+    m.add_argument("--block-size", type=int, default=None, help="DSpark (default 8)")
+    m.add_argument("--markov-rank", type=int, default=None, help="DSpark (default 32)")
     m.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
-    m.add_argument("--target-layers", default=None, help="comma list (default: 5 spread from 1 to L-3)")
+    m.add_argument("--target-layers", default=None, help="DSpark: comma list (default: 5 spread from 1 to L-3; "
+                   "an EAGLE-3 head reads layers 2, L/2 and L-3)")
     m.add_argument("--draft-vocab", type=int, default=None,
                    help="reduced draft vocabulary: the N most frequent tokens of the responses and all "
                         "--prompts (default: the full vocabulary)")
-    m.add_argument("--mask-token-id", type=int, default=None, help="default: <empty_output> (16) for SmolLM2")
+    m.add_argument("--mask-token-id", type=int, default=None,
+                   help="DSpark (default: <empty_output> (16) for SmolLM2)")
+    m.add_argument("--ttt-steps", type=int, default=None,
+                   help="EAGLE-3: training-time-test steps, the head fed its own outputs K-1 times (default 3)")
+    m.add_argument("--kl-weight", type=float, default=None,
+                   help="EAGLE-3: weight of KL(target || head) over the draft vocabulary beside the CE on the "
+                        "data's tokens (default 1.0; 0: CE only)")
     o = t.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=2000)
     o.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
     o.add_argument("--grad-accum", type=int, default=1)
-    o.add_argument("--anchors-per-seq", type=int, default=32)
+    o.add_argument("--anchors-per-seq", type=int, default=None, help="DSpark (default 32)")
     o.add_argument("--lr", type=float, default=6e-4)
     o.add_argument("--min-lr-ratio", type=float, default=0.1)
     o.add_argument("--warmup", type=int, default=100)
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--grad-clip", type=float, default=1.0)
-    o.add_argument("--gamma", type=float, default=4.0, help="position weights exp(-k/gamma)")
-    o.add_argument("--loss-weights", default="0.1,0.9,1.0", metavar="CE,L1,BCE",
-                   help="weights of the loss parts (DSpark's by default)")
+    o.add_argument("--gamma", type=float, default=None, help="DSpark: position weights exp(-k/gamma) (default 4)")
+    o.add_argument("--loss-weights", default=None, metavar="CE,L1,BCE",
+                   help="DSpark: weights of the loss parts (default: DSpark's, 0.1,0.9,1.0)")
     o.add_argument("--max-len", type=int, default=1024, help="truncate training sequences")
     o.add_argument("--length-groups", type=int, default=32,
                    help="batch sequences of like length: each epoch's shuffled order is sorted by length in "
@@ -87,41 +107,15 @@ def add_train_parsers(sub) -> None:
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--cache-features", action="store_true",
                    help="keep target features in RAM after their first use (bf16, ~2*(m+1)*hidden bytes a token)")
-    o.add_argument("--compile-loss", action="store_true",
-                   help="torch.compile the loss (needs a C++ compiler on CPU; ~25 s once, then a ~2.3x faster loss)")
+    o.add_argument("--compile-loss", action="store_true", default=None,
+                   help="DSpark: torch.compile the loss (needs a C++ compiler on CPU; ~25 s once, then a ~2.3x "
+                        "faster loss)")
     o.add_argument("--feature-cache", default=None, metavar="DIR",
                    help="cache target features in memory-mapped files under DIR instead of RAM: they survive "
                         "restarts, so a resumed run skips the target for sequences it has seen")
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval-drafter", help="tau per category, acceptance per position, confidence savings")
-    e.add_argument("--drafter", required=True)
-    e.add_argument("--prompts", required=True)
-    e.add_argument("--num-prompts", type=int, default=None)
-    e.add_argument("--per-category", type=int, default=None, help="at most N prompts of each category")
-    e.add_argument("--max-tokens", type=int, default=256)
-    e.add_argument("--temperature", type=float, default=0.0)
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--tree-budget", type=int, default=None,
-                   help="verify draft trees of this many nodes instead of chains")
-    e.add_argument("--ngram-assist", type=int, default=None,
-                   help="look up chains after suffix matches of this many tokens (0: the drafter alone; "
-                        "default: the engine's, 2)")
-    e.add_argument("--ngram-assist-max-len", type=int, default=None,
-                   help="longest looked-up chain (default and most: 32)")
-    e.add_argument("--model", default=None)
-    e.add_argument("--device", default="auto")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--max-num-seqs", type=int, default=16)
-    e.add_argument("--out", default=None, help="also write the JSON here")
-    e.set_defaults(func=cmd_eval)
-
-    a = sub.add_parser("average-drafters", help="the weighted element-wise mean of drafters of one architecture")
-    a.add_argument("drafters", nargs="+", metavar="DRAFTER_DIR", help="exported drafter folders (two or more)")
-    a.add_argument("--out", required=True, help="a new (or empty) folder for the averaged drafter")
-    a.add_argument("--weights", default=None, metavar="W1,W2,...", help="one per drafter, scaled to sum to 1 "
-                   "(default: equal)")
-    a.set_defaults(func=cmd_average)
+    add_eval_parsers(sub)
 
 
 def _device(name: str) -> str:
@@ -141,22 +135,41 @@ def _loss_weights(text: str) -> list[float]:
     return w
 
 
+def _kind_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags of the other --kind (ValueError naming them); fill in DSpark's defaults."""
+    other = EAGLE3_FLAGS if args.kind == "dspark" else tuple(DSPARK_FLAGS)
+    given = [f"--{k.replace('_', '-')}" for k in other if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to --kind {args.kind}"
+                         f" ({'EAGLE-3' if args.kind == 'dspark' else 'DSpark'} flags); drop "
+                         f"{'it' if len(given) == 1 else 'them'}")
+    if args.kind == "dspark":
+        for k, v in DSPARK_FLAGS.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.models.drafters.checkpoint import load_drafter
     from dspark.train.data import GenSettings, generate_dataset
     from dspark.train.dataset import TokenDataset
-    from dspark.train.drafter_init import DTYPES, checkpoint_bytes, load_target
+    from dspark.train.drafter_init import DTYPES, checkpoint_bytes, load_target, new_eagle3_head
+    from dspark.train.eagle3_trainer import Eagle3TrainConfig, Eagle3Trainer
     from dspark.train.trainer import TrainConfig, Trainer
 
+    _kind_flags(args)
     check_at_least(args, num_prompts=1, skip_prompts=0, gen_batch_size=1, max_new_tokens=1, max_prompt_tokens=1,
                    shard_size=1, num_layers=1, block_size=1, markov_rank=1, intermediate_size=1, draft_vocab=1,
                    steps=1, batch_size=1, grad_accum=1, anchors_per_seq=1, warmup=0, max_len=2, save_every=0,
-                   log_every=1, length_groups=1, average_from=1)
-    weights = _loss_weights(args.loss_weights)
-    if not args.gamma > 0:
+                   log_every=1, length_groups=1, average_from=1, ttt_steps=1)
+    eagle3 = args.kind == "eagle3"
+    weights = None if eagle3 else _loss_weights(args.loss_weights)
+    if args.gamma is not None and not args.gamma > 0:
         raise ValueError(f"--gamma must be > 0, got {args.gamma}")
+    if args.kl_weight is not None and not (math.isfinite(args.kl_weight) and args.kl_weight >= 0):
+        raise ValueError(f"--kl-weight must be a number >= 0, got {args.kl_weight}")
     if not 0.0 <= args.sample_share <= 1.0:
         raise ValueError(f"--sample-share must be in [0, 1], got {args.sample_share}")
     if args.time_budget_minutes is not None and args.time_budget_minutes <= 0:
@@ -189,7 +202,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     target, tok = load_target(args.model, device, DTYPES[dtype])
     data = TokenDataset(data_dir, max_len=args.max_len)
-    if args.init_from:
+    if eagle3:
+        drafter = new_eagle3_head(target, _draft_vocab(args, target, tok, data), args.intermediate_size, args.seed)
+    elif args.init_from:
         drafter = load_drafter(args.init_from, target, torch.float32, "cpu")
         print(f"warm start from {args.init_from}: its architecture and draft vocabulary replace the drafter "
               "flags", file=sys.stderr)
@@ -201,17 +216,21 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"device {device}, {dtype}", file=sys.stderr)
     if size > 25e6:
         print("warning: the exported checkpoint will exceed 25 MB", file=sys.stderr)
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
-                      anchors_per_seq=args.anchors_per_seq, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
-                      warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      gamma=args.gamma, loss_weights=weights, dtype=dtype, device=device, seed=args.seed,
-                      save_every=args.save_every, log_every=args.log_every, max_len=args.max_len,
-                      length_groups=args.length_groups, average_from=args.average_from, deadline=deadline,
-                      export_dtype=args.export_dtype, progress=not args.no_progress,
-                      cache_features=args.cache_features, feature_cache_dir=args.feature_cache,
-                      compile_loss=args.compile_loss, lr_by_time=args.lr_by_time)
+    common = dict(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                  min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
+                  grad_clip=args.grad_clip, dtype=dtype, device=device, seed=args.seed, save_every=args.save_every,
+                  log_every=args.log_every, max_len=args.max_len, length_groups=args.length_groups,
+                  average_from=args.average_from, deadline=deadline, export_dtype=args.export_dtype,
+                  progress=not args.no_progress, cache_features=args.cache_features,
+                  feature_cache_dir=args.feature_cache, lr_by_time=args.lr_by_time)
+    if eagle3:
+        given = {k: getattr(args, k) for k in EAGLE3_FLAGS if getattr(args, k) is not None}
+        cfg = Eagle3TrainConfig(**common, **given)
+    else:
+        cfg = TrainConfig(**common, anchors_per_seq=args.anchors_per_seq, gamma=args.gamma, loss_weights=weights,
+                          compile_loss=args.compile_loss)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    tr = Trainer(target, drafter, data, cfg, out, pad_id=pad)
+    tr = (Eagle3Trainer if eagle3 else Trainer)(target, drafter, data, cfg, out, pad_id=pad)
     if tr.cache is not None:
         where = f"on disk in {args.feature_cache}" if args.feature_cache else "in RAM"
         print(f"feature cache: {tr.cache.nbytes / 1e9:.2f} GB {where}, {int(tr.cache.done.sum())} of "
@@ -244,7 +263,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _new_drafter(args: argparse.Namespace, target, tok, data):
     """A fresh drafter shaped by the command's drafter flags."""
-    from dspark.train.drafter_init import default_mask_token, frequent_tokens, make_drafter_config, new_drafter
+    from dspark.train.drafter_init import default_mask_token, make_drafter_config, new_drafter
 
     layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
     dc = make_drafter_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
@@ -252,39 +271,16 @@ def _new_drafter(args: argparse.Namespace, target, tok, data):
                              intermediate_size=args.intermediate_size,
                              mask_token_id=args.mask_token_id if args.mask_token_id is not None
                              else default_mask_token(tok), draft_vocab_size=args.draft_vocab)
-    vocab = None
-    if args.draft_vocab:
-        from dspark.train.data import read_prompts
-
-        texts = [p["messages"][0]["content"] for p in read_prompts(args.prompts)]
-        extra = tok(texts, add_special_tokens=False)["input_ids"]
-        vocab = frequent_tokens(data, args.draft_vocab, target.config.vocab_size, extra)
-    return new_drafter(dc, target, args.seed, vocab)
+    return new_drafter(dc, target, args.seed, _draft_vocab(args, target, tok, data))
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from dspark.config import SamplingParams
-    from dspark.train.evaluate import evaluate
+def _draft_vocab(args: argparse.Namespace, target, tok, data):  # noqa: ANN202 - a tensor or None
+    """The --draft-vocab most frequent tokens of the responses and prompts (sorted ids), or None."""
+    if not args.draft_vocab:
+        return None
+    from dspark.train.data import read_prompts
+    from dspark.train.drafter_init import frequent_tokens
 
-    check_at_least(args, num_prompts=1, per_category=1, max_tokens=1, block_size=1, tree_budget=1, max_num_seqs=1,
-                   ngram_assist=0, ngram_assist_max_len=1)
-    SamplingParams(temperature=args.temperature)  # validated before the model loads
-    check_output_path(args.out)
-    res = evaluate(args.drafter, args.prompts, num_prompts=args.num_prompts, per_category=args.per_category,
-                   max_tokens=args.max_tokens, temperature=args.temperature, model=args.model,
-                   device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                   block_size=args.block_size, tree_budget=args.tree_budget, ngram_assist=args.ngram_assist,
-                   ngram_assist_max_len=args.ngram_assist_max_len)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
-
-
-def cmd_average(args: argparse.Namespace) -> int:
-    from dspark.train.average import average_drafters, parse_weights
-
-    record = average_drafters(args.drafters, args.out, parse_weights(args.weights, len(args.drafters)))
-    print(json.dumps(record))
-    return 0
+    texts = [p["messages"][0]["content"] for p in read_prompts(args.prompts)]
+    extra = tok(texts, add_special_tokens=False)["input_ids"]
+    return frequent_tokens(data, args.draft_vocab, target.config.vocab_size, extra)

@@ -90,3 +90,24 @@ def load_target(model: str | None, device: str, dtype: torch.dtype) -> tuple:
     m.load_hf_state_dict(load_state_dict(folder, dtype))
     m = m.to(device, dtype).eval().requires_grad_(False)
     return m, load_tokenizer(folder)
+
+
+def new_eagle3_head(target, draft_vocab: torch.Tensor | None = None, intermediate_size: int | None = None,
+                    seed: int = 0):  # noqa: ANN201 - an Eagle3Head
+    """A new EAGLE-3 head for the target (eagle3_hf_config: its layer shaped like one of the
+    target's), randomly initialised except its output: the final norm and the LM head rows of its
+    draft vocabulary (sorted target ids; None: the full vocabulary) start as the target's, so its
+    first logits already read the target's output space. The target's embedding is shared."""
+    from dspark.models.drafters.eagle3 import Eagle3Config, Eagle3Head, eagle3_hf_config
+
+    tc = target.config
+    ids = draft_vocab if draft_vocab is not None else torch.arange(tc.vocab_size)
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.from_hf(eagle3_hf_config(tc, ids.numel(), intermediate_size), tc))
+    with torch.no_grad():
+        head.d2t.copy_(ids - torch.arange(ids.numel()))  # d2t[d]: target id of draft id d, minus d
+        head.t2d.zero_()[ids] = True
+        head.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.lm_head.weight.device)].float().cpu())
+        head.norm.weight.copy_(target.norm.weight.float().cpu())
+    head.attach(target)
+    return head

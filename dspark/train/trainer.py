@@ -4,7 +4,8 @@ Warmup + cosine learning rate, gradient accumulation, fp32 or bf16 autocast, CPU
 Batches (dataset.BatchOrder) and anchors are drawn from generators seeded by (seed, step), so a
 resumed run takes exactly the batches an uninterrupted one would; checkpoints are
 run_checkpoint.py's folders. The export is `save_drafter` in the DSpark layout without the target's
-embed_tokens / lm_head, which the drafter shares.
+embed_tokens / lm_head, which the drafter shares. eagle3_trainer.Eagle3Trainer reuses all of it for
+EAGLE-3 heads through the few methods that depend on the drafter's kind, and micro_loss.
 """
 
 from __future__ import annotations
@@ -92,14 +93,8 @@ class Trainer:
         self.out = Path(out_dir)
         self.dev = torch.device(cfg.device)
         self.pad_id = pad_id
-        if drafter.config.kind != "dspark":
-            # the loss teaches slot k the token after slot k's input; a DFlash drafter's slot k
-            # drafts the token at its own position, so every label would be one off
-            raise ValueError(f"train-drafter trains DSpark drafters; this one is {drafter.config.kind}")
+        self.check_drafter()
         self.drafter.to(self.dev, torch.float32).train()
-        for shared in (drafter.embed_tokens, drafter.lm_head):  # a checkpoint's own copies of the target's
-            if shared is not None:
-                shared.requires_grad_(False)
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.names = [n for n, p in drafter.named_parameters() if p.requires_grad]
         decay = [p for p in self.params if p.ndim >= 2]
@@ -123,11 +118,40 @@ class Trainer:
         self.loss_fn = torch.compile(dspark_loss, dynamic=True) if cfg.compile_loss else dspark_loss
         self.cache = None
         if cfg.cache_features or cfg.feature_cache_dir:
-            self.cache = FeatureCache(data.seqs, drafter.config.target_layer_ids, target.config.hidden_size,
+            self.cache = FeatureCache(data.seqs, self.capture_layers(), target.config.hidden_size,
                                       cfg.feature_cache_dir, key=target_key(target))
         d2t = drafter.draft_to_target
         if d2t is not None and not bool((d2t[1:] > d2t[:-1]).all()):
             raise ValueError("draft_to_target must hold ascending target ids (the loss maps labels by binary search)")
+
+    # ------------------------------------------------------------------ what differs by drafter kind
+    # (eagle3_trainer.Eagle3Trainer overrides these and micro_loss)
+    resume_settings = RESUME_SETTINGS
+
+    def check_drafter(self) -> None:
+        """Refuse a drafter this trainer's loss does not fit; freeze what it shares with the target."""
+        if self.drafter.config.kind != "dspark":
+            # the loss teaches slot k the token after slot k's input; a DFlash drafter's slot k
+            # drafts the token at its own position, so every label would be one off
+            raise ValueError(f"train-drafter trains DSpark drafters; this one is {self.drafter.config.kind}")
+        for shared in (self.drafter.embed_tokens, self.drafter.lm_head):  # a checkpoint's own copies of the target's
+            if shared is not None:
+                shared.requires_grad_(False)
+
+    def capture_layers(self) -> list[int]:
+        """The target layers whose outputs the drafter reads, in its order."""
+        return list(self.drafter.config.target_layer_ids)
+
+    def drafter_config(self) -> dict:
+        """The drafter's shape as stored in checkpoints (a resume refuses another one)."""
+        return json.loads(json.dumps(asdict(self.drafter.config)))  # tuples as lists, as stored
+
+    def export_config(self) -> dict:
+        return self.drafter.config.to_hf()
+
+    def save_weights(self, path: Path, dtype: torch.dtype) -> None:
+        """The exported folder's layout."""
+        save_drafter(self.drafter, path, dtype=dtype)
 
     # ------------------------------------------------------------------ schedule, batches
     def lr_at(self, step: int) -> float:
@@ -166,7 +190,7 @@ class Trainer:
     def features(self, idx: list[int], b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(feats, final hidden, log-normalizers or None) of a padded batch, through the feature
         cache when the run keeps one."""
-        layers = self.drafter.config.target_layer_ids
+        layers = self.capture_layers()
         if self.cache is None:
             with torch.no_grad():
                 return (*target_features(self.target, b["ids"], layers), None)
@@ -223,7 +247,7 @@ class Trainer:
         ck = RunCheckpoint(state={"step": self.step, "elapsed_s": self.elapsed, "history": self.history,
                                   "average_n": self.average_n, "adam_steps": {}, "lr_progress": self.lr_progress,
                                   "config": {k: v for k, v in asdict(self.cfg).items() if k != "deadline"},
-                                  "drafter_config": asdict(self.drafter.config)},
+                                  "drafter_config": self.drafter_config()},
                            drafter=self.drafter.state_dict())
         for name, p in zip(self.names, self.params):
             if st := self.opt.state.get(p):
@@ -241,7 +265,7 @@ class Trainer:
         if ck is None:
             return False
         state = ck.state
-        mine = json.loads(json.dumps(asdict(self.drafter.config)))  # tuples as lists, as stored
+        mine = self.drafter_config()
         saved = state.get("drafter_config", mine)
         if saved != mine:
             diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
@@ -257,7 +281,7 @@ class Trainer:
         if ck.average is not None:
             self.average, self.average_n = [ck.average[n] for n in self.names], state["average_n"]
         saved_cfg, mine_cfg = state.get("config", {}), asdict(self.cfg)
-        self.resume_changes = {k: (saved_cfg[k], mine_cfg[k]) for k in RESUME_SETTINGS
+        self.resume_changes = {k: (saved_cfg[k], mine_cfg[k]) for k in self.resume_settings
                                if k in saved_cfg and saved_cfg[k] != mine_cfg[k]}
         return True
 
@@ -297,7 +321,7 @@ class Trainer:
                 self.history.append(rec)
                 if not c.progress:
                     print(json.dumps(rec | {"seqs_per_s": round(seqs_per_s or 0.0, 2)}), flush=True)
-            bar.set_postfix({k: f"{run_avg[k]:.3f}" for k in ("loss", "ce", "l1", "bce", "acc", "tau_est")
+            bar.set_postfix({k: f"{run_avg[k]:.3f}" for k in ("loss", "ce", "l1", "bce", "kl", "acc", "tau_est")
                              if k in run_avg},
                             refresh=False)
             bar.update(1)
@@ -311,21 +335,21 @@ class Trainer:
         path = Path(path)
         dt = DTYPES[self.cfg.export_dtype]
         if self.average is not None:  # the last weights beside the mean, which goes to `path`
-            save_drafter(self.drafter, path.with_name(path.name + "_last"), dtype=dt)
+            self.save_weights(path.with_name(path.name + "_last"), dt)
             last = [p.detach().clone() for p in self.params]
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.average)
-            save_drafter(self.drafter, path, dtype=dt)
+            self.save_weights(path, dt)
             with torch.no_grad():
                 torch._foreach_copy_(self.params, last)
         else:
-            save_drafter(self.drafter, path, dtype=dt)
+            self.save_weights(path, dt)
         size = (path / "model.safetensors").stat().st_size
         stats = {"steps": self.step, "total_steps": self.cfg.steps, "averaged_steps": self.average_n,
                  "train_wall_s": round(self.elapsed, 1),
                  "checkpoint_bytes": size, "export_dtype": self.cfg.export_dtype,
                  "final": self.history[-1] if self.history else None,
-                 "drafter_config": self.drafter.config.to_hf(), "train_config":
+                 "drafter_config": self.export_config(), "train_config":
                  {k: v for k, v in asdict(self.cfg).items() if k not in ("deadline", "drafter")}}
         stats.update(extra or {})
         return stats

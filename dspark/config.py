@@ -281,9 +281,6 @@ class EngineConfig:
         except RuntimeError as e:
             raise ValueError(f"unknown device {self.device!r}: {e}") from None
         self.spec.validate()
-        if self.tensor_parallel_size > 1 and self.resolved_device() != "cpu":
-            raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) in this build; on CUDA use one GPU per "
-                             "server and replicas (docs/deploy.md)")
         if self.model is not None and not os.path.exists(os.path.expanduser(self.model)):
             raise ValueError(f"model path {self.model!r} does not exist; expected a Hugging Face folder "
                              "(config.json + *.safetensors) or a .gguf file")

@@ -32,13 +32,19 @@ class Group:
 
     rank: int
     world: int
-    pg: object  # torch ProcessGroupGloo / ProcessGroupNCCL
+    pg: object  # the tensor collectives: ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA
+    ctrl: object  # the step messages (CPU tensors): always gloo
     store: object  # keeps the TCPStore (rank 0's server) alive as long as the group
 
     @classmethod
-    def join(cls, rank: int, world: int, port: int) -> Group:
+    def join(cls, rank: int, world: int, port: int, device: torch.device | None = None) -> Group:
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=TIMEOUT)
-        return cls(rank, world, dist.ProcessGroupGloo(store, rank, world, TIMEOUT), store)
+        ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), rank, world, TIMEOUT)
+        pg = ctrl
+        if device is not None and device.type == "cuda":
+            # NCCL moves the activations GPU to GPU; it cannot carry the CPU step messages
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world)
+        return cls(rank, world, pg, ctrl, store)
 
     def _wait(self, work) -> None:  # noqa: ANN001 - a c10d Work
         try:
@@ -68,14 +74,14 @@ class Group:
             size = torch.tensor([data.numel()], dtype=torch.long)
         else:
             size = torch.zeros(1, dtype=torch.long)
-        self._wait(self.pg.broadcast(size, 0))
+        self._wait(self.ctrl.broadcast(size, 0))
         if self.rank != 0:
             data = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(self.pg.broadcast(data, 0))
+        self._wait(self.ctrl.broadcast(data, 0))
         if self.rank != 0:
             meta = json.loads(data.numpy().tobytes().decode())
             header = meta["header"]
             tensors = [torch.empty(shape, dtype=getattr(torch, dt)) for shape, dt in meta["tensors"]]
         for t in tensors:
-            self._wait(self.pg.broadcast(t, 0))
+            self._wait(self.ctrl.broadcast(t, 0))
         return header, tensors

@@ -1,5 +1,5 @@
 """Tensor-parallel worker processes: rank 0 (the engine) spawns ranks 1..N-1 with
-torch.multiprocessing, each loads its shard and KV heads, then mirrors every call rank 0 makes on
+torch.multiprocessing (on CUDA, rank r uses GPU r), each loads its shard and KV heads, then mirrors every call rank 0 makes on
 its model: a forward (a StepInput), LM-head logits of some rows, or a K/V slot copy. Rank 0
 schedules, samples and drafts; the workers only compute.
 
@@ -10,6 +10,7 @@ answers 503 and exits, never hanging or answering from a partial model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 from dataclasses import dataclass
@@ -49,14 +50,23 @@ def build_rank(spec: ShardSpec, group: Group):  # noqa: ANN201 - (model, kv, att
     return model, kv, make_backend(spec.attention_backend, device)
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r's device: the CPU, or GPU r (one GPU per rank)."""
+    d = torch.device(device)
+    return torch.device("cuda", rank) if d.type == "cuda" else d
+
+
 def _worker_main(rank: int, world: int, port: int, spec: ShardSpec) -> None:
     from dspark.engine.model_runner import copy_slots
     from dspark.engine.step_input import StepInput, run_step
 
     torch.set_num_threads(spec.threads)
-    group = Group.join(rank, world, port)
+    device = rank_device(spec.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    spec = dataclasses.replace(spec, device=str(device))
+    group = Group.join(rank, world, port, device)
     model, kv, attn = build_rank(spec, group)
-    device = torch.device(spec.device)
     with torch.inference_mode():
         while True:
             header, tensors = group.broadcast()
@@ -82,7 +92,7 @@ class Workers:
                                   name=f"dspark-tp-{r}") for r in range(1, world)]
         for p in self.procs:
             p.start()
-        self.group = Group.join(0, world, port)
+        self.group = Group.join(0, world, port, torch.device(spec.device))
 
     def check(self) -> None:
         """PeerLost when a worker process has exited."""
@@ -122,6 +132,10 @@ def start_tensor_parallel(config, folder: str, device: torch.device, dtype: torc
     # the ranks share the machine's cores: N processes each with every core would oversubscribe
     threads = max(1, torch.get_num_threads() // world)
     torch.set_num_threads(threads)
+    device = rank_device(str(device), 0)
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs (one per rank); "
+                         f"{torch.cuda.device_count()} visible")
     spec = ShardSpec(folder, str(dtype).removeprefix("torch."), str(device), kv_pages, config.page_size,
                      config.attention_backend, threads)
     workers = Workers(spec, world)

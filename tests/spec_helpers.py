@@ -42,7 +42,6 @@ def save_tiny_target(folder: str | Path, predictable: bool = True, seed: int = 0
     head_dim: 16 keeps CPU tests fast; the GPU tests use 64, a size FlashInfer's kernels take."""
     import transformers
 
-    from dspark.models.loader import resolve_model_folder
 
     folder = Path(folder)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128,
@@ -69,11 +68,18 @@ def save_tiny_target(folder: str | Path, predictable: bool = True, seed: int = 0
         m.model.embed_tokens.weight.copy_(emb)
         m.lm_head.weight.copy_(head)
     m.save_pretrained(folder, safe_serialization=True)
+    copy_tokenizer(folder)
+    return str(folder)
+
+
+def copy_tokenizer(folder: str | Path) -> None:
+    """Give a model folder SmolLM2's tokenizer files."""
+    from dspark.models.loader import resolve_model_folder
+
     src = Path(resolve_model_folder(None))
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (src / f).exists():
-            shutil.copy(src / f, folder / f)
-    return str(folder)
+            shutil.copy(src / f, Path(folder) / f)
 
 
 def drafter_config(kind: str, block_size: int, markov_rank: int = 0, num_layers: int = 1, vocab: int = VOCAB,

@@ -7,7 +7,6 @@ model whose heads do not split is a clear error."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from spec_helpers import alphabet_prompts, assets, make_engine, run_requests
+from spec_helpers import alphabet_prompts, assets, copy_tokenizer, make_engine, run_requests
 
 from dspark.config import SamplingParams
 from dspark.engine.sequence import Sequence
@@ -29,8 +28,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 def save_tiny_hf(folder: Path, kind: str) -> str:
     """A tiny random HF model of one family (4 heads, 2 KV heads: both split over 2 ranks)."""
-    from dspark.models.loader import resolve_model_folder
-
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=kind == "qwen3", bos_token_id=1, eos_token_id=2)
@@ -45,10 +42,7 @@ def save_tiny_hf(folder: Path, kind: str) -> str:
             if "bias" in name:
                 p.normal_(0, 0.1)  # Qwen2's q/k/v biases: non-zero, so their slicing is checked
     model.save_pretrained(folder, safe_serialization=True)
-    src = Path(resolve_model_folder(None))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (src / f).exists():
-            shutil.copy(src / f, folder / f)
+    copy_tokenizer(folder)
     return str(folder)
 
 

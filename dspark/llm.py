@@ -53,6 +53,10 @@ class LLM:
         llm._attach(Engine(config))
         return llm
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (they also end with the process)."""
+        self.engine.close()
+
     def _attach(self, engine: Engine) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer
         self._calls = itertools.count()  # numbers each generate() call: request ids never repeat

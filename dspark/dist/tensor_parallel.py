@@ -12,7 +12,6 @@ the forward is the single-process one with two all-reduces per layer.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -87,23 +86,23 @@ class _Slices:
     """Reads slices of named tensors from a folder's safetensors files (never the whole file)."""
 
     def __init__(self, folder: str):
-        self.where: dict[str, Path] = {}
+        self.where: dict[str, tuple[Path, str]] = {}  # name -> (file, its key there)
         for f in sorted(Path(folder).glob("*.safetensors")):
             with safe_open(str(f), "pt") as h:
                 for k in h.keys():
-                    self.where[k.removeprefix("model.")] = f
+                    self.where[k.removeprefix("model.")] = (f, k)
         self.handles: dict[Path, object] = {}
 
     def has(self, name: str) -> bool:
         return name in self.where
 
     def get(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        f = self.where.get(name)
-        if f is None:
+        if name not in self.where:
             raise ValueError(f"checkpoint is missing {name}")
-        h = self.handles.setdefault(f, safe_open(str(f), "pt"))
-        key = name if name in h.keys() else "model." + name
-        sl = h.get_slice(key)
+        f, key = self.where[name]
+        if f not in self.handles:
+            self.handles[f] = safe_open(str(f), "pt")
+        sl = self.handles[f].get_slice(key)
         if rows is None and cols is None:
             return sl[:]
         return sl[rows or slice(None), cols] if cols is not None else sl[rows]
@@ -151,8 +150,8 @@ def load_shard(folder: str, c: LlamaConfig, rank: int, world: int, dtype: torch.
 
 def build_shard(folder: str, c: LlamaConfig, group: Group, device: torch.device, dtype: torch.dtype) -> LlamaModel:
     """This rank's LlamaModel shard, its row-parallel projections and vocabulary-parallel ends
-    wired to the group. The layers stay dense (pre-packed on CPU in bf16)."""
-    check_divisible(c, group.world)
+    wired to the group (the model must divide: check_divisible). The layers stay dense
+    (pre-packed on CPU in bf16)."""
     lc = local_config(c, group.world)
     sd = load_shard(folder, c, group.rank, group.world, dtype)
     model = LlamaModel(dataclasses.replace(lc, tie_word_embeddings=False))
@@ -192,6 +191,3 @@ def vocab_view(folder: str, c: LlamaConfig, device: torch.device, dtype: torch.d
     head = embed if tied else src.get("lm_head.weight").to(device, dtype)
     return VocabView(c, embed, head)
 
-
-def config_of(folder: str) -> LlamaConfig:
-    return LlamaConfig.from_hf(json.loads((Path(folder) / "config.json").read_text()))

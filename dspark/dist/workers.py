@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from dspark.dist.group import Group, PeerLost, free_port
-from dspark.dist.tensor_parallel import build_shard, config_of, local_config
+from dspark.dist.tensor_parallel import build_shard, local_config
+from dspark.models.llama import LlamaConfig
+from dspark.models.loader import load_config
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ def build_rank(spec: ShardSpec, group: Group):  # noqa: ANN201 - (model, kv, att
     from dspark.engine.kv_cache import KVCache
 
     device, dtype = torch.device(spec.device), getattr(torch, spec.dtype)
-    c = config_of(spec.folder)
+    c = LlamaConfig.from_hf(load_config(spec.folder))
     model = build_shard(spec.folder, c, group, device, dtype)
     lc = local_config(c, group.world)
     kv = KVCache(c.num_hidden_layers, spec.kv_pages, spec.page_size, lc.num_key_value_heads, c.head_dim,
@@ -126,7 +128,7 @@ def start_tensor_parallel(config, folder: str, device: torch.device, dtype: torc
     from dspark.dist.tensor_parallel import check_divisible, vocab_view
 
     world = config.tensor_parallel_size
-    check_divisible(config_of(folder), world)  # before any process starts
+    check_divisible(LlamaConfig.from_hf(load_config(folder)), world)  # before any process starts
     if config.quantization not in ("auto", "none"):
         log.warning("--quantization %s: tensor-parallel shards run dense layers", config.quantization)
     # the ranks share the machine's cores: N processes each with every core would oversubscribe

@@ -74,7 +74,8 @@ class VerifyLengthController:
             if c is None:
                 prior = self.acceptance_prior(width) if prior is None else prior
                 c = prior[:len(d.tokens)]
-            rows.append(torch.nn.functional.pad(c.float().cpu(), (0, width - len(c))))
+            c = c.float().cpu()
+            rows.append(c if len(c) == width else torch.nn.functional.pad(c, (0, width - len(c))))
         limits = [min(b, len(d.tokens)) for d, b in zip(drafts, budgets)]
         lengths = self.policy.choose(limits, torch.stack(rows), other_tokens, draft_seconds)
         return [d.cut(n) for d, n in zip(drafts, lengths)]

@@ -79,8 +79,9 @@ class Engine:
         self.spec_stats = SpecStats()  # engine-wide totals
         # proposers see the target's whole vocabulary (under tensor parallelism a full copy on rank 0)
         target = TargetView(vocab, self.pool, self.kv_pages, self.device, self.dtype, config.attention_backend,
-                            self.runner.batch_layout, self.max_model_len, self.tokenizer, config.quantization)
-        self.spec = make_spec_runner(config.spec, target, self.spec_stats, default_model=config.model is None)
+                            self.runner.batch_layout, self.tokenizer, config.quantization)
+        self.spec = make_spec_runner(config.spec, target, self.spec_stats, self.max_model_len,
+                                     default_model=config.model is None)
         self._fit_context(num_pages * page_size)
         self.spec.max_model_len = self.max_model_len
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer" \

@@ -67,7 +67,7 @@ class ModelRunner:
         out = self._graph_forward(batch, ids, capture, positions is not None)
         if out is not None:
             hidden, feats = out
-            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
+            logits = self.logits(hidden[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
         else:
             step = StepInput(ids, pos, batch, tuple(capture), prompt_rows, logit_rows or None)
             if self.workers is not None:

@@ -76,7 +76,6 @@ class TargetView:
     dtype: torch.dtype
     attention_backend: str
     layout: Callable  # ModelRunner.batch_layout: (items, mask, starts) -> (AttnBatch, ids, positions)
-    max_model_len: int
     tokenizer: object = None  # the target's (a draft model must share it)
     quantization: str = "auto"  # --quantization, for proposers that load a model of their own
 

@@ -70,5 +70,6 @@ def make_proposer(cfg: SpecConfig, target: TargetView, default_model: bool) -> P
     return BlockProposer(cfg, target, name)
 
 
-def make_spec_runner(cfg: SpecConfig, target: TargetView, stats: SpecStats, default_model: bool) -> SpecRunner:
-    return SpecRunner(cfg, make_proposer(cfg, target, default_model), stats, target.max_model_len)
+def make_spec_runner(cfg: SpecConfig, target: TargetView, stats: SpecStats, max_model_len: int,
+                     default_model: bool) -> SpecRunner:
+    return SpecRunner(cfg, make_proposer(cfg, target, default_model), stats, max_model_len)

@@ -98,6 +98,25 @@ class ChainWalk:
         if self.constraint is not None:
             self.constraint.finish()
 
+    @property
+    def chain(self) -> list[torch.Tensor]:
+        """The tokens picked so far, one [R] tensor per position."""
+        return self.tokens
+
+    def finish(self, budgets: list[int]) -> list[Draft]:
+        """The drafts of an autoregressive walk (each counted as max(budgets) proposed)."""
+        return self.drafts(num_proposed=max(budgets))
+
+
+def open_walk(cfg, seqs: list[Sequence], budgets: list[int], vocab_size: int,  # noqa: ANN001 - a SpecConfig
+              to_target: torch.Tensor | None, device: torch.device) -> tuple[ChainWalk | SiblingTree, list[int]]:
+    """The walker an autoregressive proposer picks its drafts with (sibling trees under --tree,
+    never deeper than the node budget; else chains) and the depth each request walks to."""
+    if cfg.tree:
+        budgets = [min(b, cfg.tree_budget) for b in budgets]
+        return SiblingTree(seqs, vocab_size, to_target, cfg.tree_topk, cfg.tree_budget), budgets
+    return ChainWalk(seqs, max(budgets), vocab_size, to_target, device, draws=budgets), budgets
+
 
 class SiblingTree:
     """Draft trees for autoregressive proposers: the greedy chain, and at every depth the next
@@ -164,3 +183,11 @@ class SiblingTree:
     def abandon(self) -> None:
         if self.constraint is not None:
             self.constraint.finish()
+
+    @property
+    def chain(self) -> list[torch.Tensor]:
+        """The chain's tokens so far (the likeliest at each depth), one [R] tensor per depth."""
+        return [t[:, 0] for t in self.top_tok]
+
+    def finish(self, budgets: list[int]) -> list[Draft]:
+        return self.drafts(budgets)

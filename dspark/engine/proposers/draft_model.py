@@ -12,13 +12,15 @@ tree (chain_walk.SiblingTree).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from dspark.config import SpecConfig
 from dspark.engine.attention import make_backend
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.proposal import Draft, Proposer, TargetView
-from dspark.engine.proposers.chain_walk import ChainWalk, SiblingTree
+from dspark.engine.proposers.chain_walk import open_walk
 from dspark.engine.sequence import Sequence
 from dspark.models.loader import load_model, load_tokenizer
 
@@ -67,17 +69,12 @@ class DraftModelProposer(Proposer):
         batch, ids, pos = self.target.layout(list(zip(seqs, tokens)), "causal", starts=starts)
         self.attn.plan(batch)
         hidden, _ = self.model(ids, pos, self.attn, self.kv)
-        last = torch.tensor(list(_cumsum(len(t) for t in tokens)), device=hidden.device) - 1
+        last = torch.tensor(list(itertools.accumulate(len(t) for t in tokens)), device=hidden.device) - 1
         return self.model.logits(hidden[last])
 
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
-        V = self.target.model.config.vocab_size
-        if self.cfg.tree:  # a tree is never deeper than its node budget
-            budgets = [min(b, self.cfg.tree_budget) for b in budgets]
-            walk = SiblingTree(seqs, V, None, self.cfg.tree_topk, self.cfg.tree_budget)
-        steps = max(budgets)
-        if not self.cfg.tree:
-            walk = ChainWalk(seqs, steps, V, None, self.target.device, draws=budgets)
+        walk, budgets = open_walk(self.cfg, seqs, budgets, self.target.model.config.vocab_size, None,
+                                  self.target.device)
         with torch.inference_mode():
             starts = [self._cached(s) for s in seqs]
             # committed tokens not cached yet, through the anchor (all_ids ends with it)
@@ -85,7 +82,7 @@ class DraftModelProposer(Proposer):
             try:
                 logits = self._run(seqs, tokens, starts)
                 prev = walk.pick(logits)
-                for j in range(1, steps):
+                for j in range(1, max(budgets)):
                     # a request only writes the slots its budget reserved: past it, its rows
                     # repeat their last logits and the controller cuts those drafts
                     rows = [r for r, b in enumerate(budgets) if b > j]
@@ -96,18 +93,11 @@ class DraftModelProposer(Proposer):
             except BaseException:
                 walk.abandon()
                 raise
-        fed = torch.stack(walk.tokens if not self.cfg.tree else [t[:, 0] for t in walk.top_tok], 1).tolist()
-        for s, row, b in zip(seqs, fed, budgets):
+        for s, row, b in zip(seqs, torch.stack(walk.chain, 1).tolist(), budgets):
             # fed from the anchor's position on: the anchor, then the chain before its last token
             self.fed[s.seq_id] = (len(s.all_ids) - 1, [s.all_ids[-1]] + row[:b - 1])
-        return walk.drafts(budgets) if self.cfg.tree else walk.drafts(num_proposed=steps)
+        return walk.finish(budgets)
 
     def release(self, seq_id: int) -> None:
         self.fed.pop(seq_id, None)
 
-
-def _cumsum(xs):  # noqa: ANN001, ANN202 - ints in, running totals out
-    total = 0
-    for x in xs:
-        total += x
-        yield total

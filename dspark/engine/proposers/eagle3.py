@@ -17,7 +17,7 @@ from dspark.engine.attention import make_backend
 from dspark.engine.drafter_context import DrafterContext
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.proposal import Draft, Proposer, TargetView
-from dspark.engine.proposers.chain_walk import ChainWalk, SiblingTree
+from dspark.engine.proposers.chain_walk import open_walk
 from dspark.engine.sequence import Sequence
 from dspark.models.drafters.checkpoint import read_drafter_folder
 from dspark.models.drafters.eagle3 import load_eagle3
@@ -64,13 +64,8 @@ class Eagle3Proposer(Proposer):
         return bool(self.context.pending)
 
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
-        dev, V = self.target.device, self.target.model.config.vocab_size
-        if self.cfg.tree:  # a tree is never deeper than its node budget
-            budgets = [min(b, self.cfg.tree_budget) for b in budgets]
-            walk = SiblingTree(seqs, V, self.to_target, self.cfg.tree_topk, self.cfg.tree_budget)
-        steps = max(budgets)
-        if not self.cfg.tree:
-            walk = ChainWalk(seqs, steps, V, self.to_target, dev, draws=budgets)
+        dev = self.target.device
+        walk, budgets = open_walk(self.cfg, seqs, budgets, self.target.model.config.vocab_size, self.to_target, dev)
         with torch.inference_mode():
             starts = []
             for s in seqs:
@@ -82,7 +77,7 @@ class Eagle3Proposer(Proposer):
             ids = torch.tensor([s.output_ids[-1] for s in seqs], device=dev)
             logits = None
             try:
-                for j in range(steps):
+                for j in range(max(budgets)):
                     # a request only writes the slots its budget reserved: past it, its rows
                     # repeat their last logits and the controller cuts those drafts
                     rows = [r for r, b in enumerate(budgets) if b > j]
@@ -100,4 +95,4 @@ class Eagle3Proposer(Proposer):
             except BaseException:
                 walk.abandon()
                 raise
-        return walk.drafts(budgets) if self.cfg.tree else walk.drafts(num_proposed=steps)
+        return walk.finish(budgets)

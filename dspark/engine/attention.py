@@ -138,11 +138,23 @@ class TorchAttention:
         """q: [N, H, D]; k, v: [N, Hkv, D] for the new tokens; caches: [slots, Hkv, D]."""
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
+        return self.attend(q, k_cache, v_cache, scale)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               ops=None) -> torch.Tensor:  # noqa: ANN001 - ops: the fused CPU kernels (models.cpu_ops)
+        """Attention of q [N, H, D] over caches that already hold this pass's K/V. With ops, exact
+        groups (decode, chains, trees) run the fused kernel, which visits each row's keys in one
+        fixed order; long prefill chunks keep SDPA."""
         N, H, D = q.shape
-        g0 = self.groups[0]
-        qz = None if g0.dense else torch.cat([q, q.new_zeros(1, H, D)])
-        out = q.new_empty(N, H, D) if len(self.groups) > 1 else None
+        fused = ops is not None and self.exact
+        qz = None
+        out = q.new_empty(N, H, D) if len(self.groups) > 1 or fused else None
         for g in self.groups:
+            if fused and g.short:
+                ops.attend(q, k_cache, v_cache, g.gather, g.q_index, g.mask[:, 0], scale, out)
+                continue
+            if qz is None and not g.dense:
+                qz = torch.cat([q, q.new_zeros(1, H, D)])
             qp = q.view(g.q_index.shape[0], -1, H, D) if g.dense else qz[g.q_index]  # [S, Qmax, H, D]
             kp = k_cache[g.gather]  # [S, Lmax, Hkv, D]
             vp = v_cache[g.gather]
@@ -155,7 +167,7 @@ class TorchAttention:
                 qp, kp, vp = qp.to(dt), kp.to(dt), vp.to(dt)
             o = F.scaled_dot_product_attention(
                 qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-                attn_mask=g.mask, scale=scale, enable_gqa=H != k.shape[1]).to(q.dtype)
+                attn_mask=g.mask, scale=scale, enable_gqa=H != k_cache.shape[1]).to(q.dtype)
             o = o.transpose(1, 2).reshape(-1, H, D)
             if not g.dense:
                 o = o[g.out_rows]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dspark.models.fused import decoder_forward, kernels_for
 from dspark.models.layers import (  # noqa: F401 - re-exported: the layers' historical home
     MLP,
     Attention,
@@ -103,6 +104,9 @@ class LlamaModel(nn.Module):
         """Returns (final normed hidden [N, H], concatenated captured layers [N, m*H] or None).
         rows (a packed.RowSplit) tells packed and quantized linears which rows are prompt tokens."""
         h = self.embed_tokens(input_ids)
+        ops = kernels_for(h, attn)
+        if ops is not None:
+            return decoder_forward(self, ops, h, positions, attn, kv, capture, rows)
         cos, sin = self.rotary(positions, h.dtype)
         taken = {}
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,368 @@
+// Fused CPU kernels for the target's decoder layers (bf16, fp16 or fp32 activations).
+//
+// Every output row is computed from its own input row (and, for attention, its own visible keys)
+// with the same loop structure whatever the batch holds: sums run over fixed 16-lane partial
+// accumulators reduced in a fixed tree, and attention visits a row's keys in position order. So a
+// token decoded alone and the same token verified inside a chain or tree get identical bits, which
+// is what keeps speculative output equal to plain output. Work is split across threads only
+// between rows and heads, never inside a sum.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+// Runs f(T{}) for the activation dtypes the kernels handle.
+template <typename F>
+void dispatch(at::ScalarType t, const char* name, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", t);
+  }
+}
+
+template <typename T>
+inline float f32(T x) {
+  return static_cast<float>(x);
+}
+
+// Rounds like one torch op on T: the float result converted to T.
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x, 16 lanes: 2^n * p(r) with r = x - n ln2, degree-6 polynomial (x clamped to [-87, 88]).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// sum_i a[i] * b[i] in a fixed order: kLanes partial sums, then a fixed reduction.
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 v0 = _mm512_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    v0 = _mm512_fmadd_ps(load16(a + i), load16(b + i), v0);
+    v1 = _mm512_fmadd_ps(load16(a + i + 16), load16(b + i + 16), v1);
+    v2 = _mm512_fmadd_ps(load16(a + i + 32), load16(b + i + 32), v2);
+    v3 = _mm512_fmadd_ps(load16(a + i + 48), load16(b + i + 48), v3);
+  }
+  for (; i + kLanes <= n; i += kLanes) v0 = _mm512_fmadd_ps(load16(a + i), load16(b + i), v0);
+  __m512 v = _mm512_add_ps(_mm512_add_ps(v0, v1), _mm512_add_ps(v2, v3));
+  if (i == n) return _mm512_reduce_add_ps(v);
+  float acc[kLanes];
+  _mm512_storeu_ps(acc, v);
+#else
+  float acc[kLanes] = {0.f};
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += f32(a[i + l]) * f32(b[i + l]);
+  }
+#endif
+  for (int l = 0; i < n; ++i, ++l) acc[l] += f32(a[i]) * f32(b[i]);
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+}
+
+// out[i] += p * v[i] for i < n.
+template <typename T>
+inline void axpy(float p, const T* v, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; i + kLanes <= n; i += kLanes) {
+    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pv, load16(v + i), _mm512_loadu_ps(out + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] += p * f32(v[i]);
+}
+
+// x[i] = e^(x[i] - mx) for i < n; returns their sum, added in index order.
+inline float exp_shifted(float* x, int64_t n, float mx) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + kLanes <= n; i += kLanes) {
+    _mm512_storeu_ps(x + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(mx))));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i] - mx);
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) total += x[j];
+  return total;
+}
+
+// Rows of x [n, h] (row stride sx) -> out [n, h]: w * round(x * rsqrt(mean(x^2) + eps)), as HF's
+// RMSNorm (float32 statistics, normalized value rounded to T before the weight multiplies it).
+template <typename T>
+void rms_rows(const T* x, int64_t sx, const T* w, T* out, int64_t n, int64_t h, float eps) {
+  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * sx;
+      float inv = 1.f / std::sqrt(dot(xr, xr, h) / static_cast<float>(h) + eps);
+      T* o = out + r * h;
+      for (int64_t i = 0; i < h; ++i) o[i] = static_cast<T>(f32(w[i]) * round_to<T>(f32(xr[i]) * inv));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, features] with contiguous features");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [features] tensor of x's dtype");
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                       x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// (h + d, rms_norm(h + d)): the residual add rounded to T as torch's add would, then the norm.
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps) {
+  check_rows(h, "h");
+  check_rows(d, "d");
+  TORCH_CHECK(h.sizes() == d.sizes() && h.scalar_type() == d.scalar_type(), "h and d must match");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == h.size(1) && w.scalar_type() == h.scalar_type(),
+              "weight must be a contiguous [features] tensor of h's dtype");
+  auto sum = at::empty_like(h, at::MemoryFormat::Contiguous);
+  auto out = at::empty_like(h, at::MemoryFormat::Contiguous);
+  const int64_t n = h.size(0), f = h.size(1);
+  dispatch(h.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* hp = h.data_ptr<scalar_t>();
+    const scalar_t* dp = d.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        for (int64_t i = 0; i < f; ++i) {
+          sp[r * f + i] = static_cast<scalar_t>(f32(hp[r * h.stride(0) + i]) + f32(dp[r * d.stride(0) + i]));
+        }
+      }
+    });
+    rms_rows<scalar_t>(sp, f, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, f, static_cast<float>(eps));
+  });
+  return {sum, out};
+}
+
+// gate_up [n, 2i] -> silu(gate) * up [n, i], each op rounded to T as torch's would be.
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_rows(gu, "gate_up");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even width");
+  const int64_t n = gu.size(0), half = gu.size(1) / 2;
+  auto out = at::empty({n, half}, gu.options());
+  dispatch(gu.scalar_type(), "silu_mul", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* g = gu.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t sg = gu.stride(0);
+    at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* gr = g + r * sg;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        float s[kLanes];
+        for (; i + kLanes <= half; i += kLanes) {
+          __m512 x = load16(gr + i);
+          __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          _mm512_storeu_ps(s, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+          for (int l = 0; l < kLanes; ++l) {
+            o[r * half + i + l] = static_cast<scalar_t>(round_to<scalar_t>(s[l]) * f32(gr[half + i + l]));
+          }
+        }
+#endif
+        for (; i < half; ++i) {
+          float x = f32(gr[i]);
+          float s1 = round_to<scalar_t>(x / (1.f + std::exp(-x)));
+          o[r * half + i] = static_cast<scalar_t>(s1 * f32(gr[half + i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// HF's rotate-half rotary, each product and the sum rounded to T as torch's ops would be.
+template <typename T>
+inline void rotate(T* x, const T* c, const T* s, int64_t d) {
+  const int64_t half = d / 2;
+  float tmp[512];
+  for (int64_t i = 0; i < d; ++i) {
+    float other = i < half ? -f32(x[i + half]) : f32(x[i - half]);
+    tmp[i] = round_to<T>(round_to<T>(f32(x[i]) * f32(c[i])) + round_to<T>(other * f32(s[i])));
+  }
+  for (int64_t i = 0; i < d; ++i) x[i] = static_cast<T>(tmp[i]);
+}
+
+void check_heads(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, name,
+              " must be a CPU [rows, heads, head_dim] tensor with contiguous head_dim");
+}
+
+// Rotates q and k in place (cos/sin: [n, head_dim]) and writes k and v to the caches' slots.
+void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+  check_heads(q, "q");
+  check_heads(k, "k");
+  check_heads(v, "v");
+  const int64_t n = q.size(0), nh = q.size(1), nkv = k.size(1), d = q.size(2);
+  TORCH_CHECK(d <= 512 && d % 2 == 0, "head_dim must be even and at most 512");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == n && cos.size(1) == d,
+              "cos/sin must be contiguous [rows, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == nkv && k_cache.size(2) == d,
+              "caches must be contiguous [slots, kv_heads, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == n, "slots must be int64 [rows]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == q.scalar_type(),
+              "q, cos/sin and the caches must share a dtype");
+  dispatch(q.scalar_type(), "rope_store", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t slot_count = k_cache.size(0);
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK(sl[r] >= 0 && sl[r] < slot_count, "slot out of range");
+    }
+    at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* c = cp + r * d;
+        const scalar_t* s = sp + r * d;
+        for (int64_t hh = 0; hh < nh; ++hh) rotate(qp + r * q.stride(0) + hh * q.stride(1), c, s, d);
+        for (int64_t hh = 0; hh < nkv; ++hh) {
+          scalar_t* kr = kp + r * k.stride(0) + hh * k.stride(1);
+          rotate(kr, c, s, d);
+          const scalar_t* vr = vp + r * v.stride(0) + hh * v.stride(1);
+          scalar_t* kd = kc + (sl[r] * nkv + hh) * d;
+          scalar_t* vd = vc + (sl[r] * nkv + hh) * d;
+          for (int64_t i = 0; i < d; ++i) {
+            kd[i] = kr[i];
+            vd[i] = vr[i];
+          }
+        }
+      }
+    });
+  });
+}
+
+// Attention of query rows over paged keys, for sequences padded into a group: row q_index[g][i]
+// (>= rows: padding) sees the cached slots gather[g][j] where mask[g][i][j], visited in j order
+// (position order; a tree node's ancestors come before it). Softmax and the value sum run in
+// float32; out rows not named by q_index are left as they are.
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
+            const at::Tensor& q_index, const at::Tensor& mask, double scale, at::Tensor out) {
+  check_heads(q, "q");
+  check_heads(out, "out");
+  const int64_t rows = q.size(0), nh = q.size(1), d = q.size(2), nkv = k_cache.size(1);
+  const int64_t groups = gather.size(0), lmax = gather.size(1), qmax = q_index.size(1);
+  TORCH_CHECK(nh % nkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == d, "caches must be contiguous");
+  TORCH_CHECK(gather.is_contiguous() && gather.scalar_type() == at::kLong, "gather must be contiguous int64");
+  TORCH_CHECK(q_index.is_contiguous() && q_index.scalar_type() == at::kLong && q_index.size(0) == groups,
+              "q_index must be contiguous int64 [groups, queries]");
+  TORCH_CHECK(mask.is_contiguous() && mask.scalar_type() == at::kBool && mask.dim() == 3 && mask.size(0) == groups &&
+                  mask.size(1) == qmax && mask.size(2) == lmax,
+              "mask must be contiguous bool [groups, queries, keys]");
+  TORCH_CHECK(out.size(0) == rows && out.size(1) == nh && out.size(2) == d, "out must be shaped like q");
+  const int64_t slot_count = k_cache.size(0);
+  const int64_t* gp = gather.data_ptr<int64_t>();
+  for (int64_t i = 0; i < gather.numel(); ++i) TORCH_CHECK(gp[i] >= 0 && gp[i] < slot_count, "slot out of range");
+  const int64_t per_kv = nh / nkv;
+  dispatch(q.scalar_type(), "attend", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t* qi = q_index.data_ptr<int64_t>();
+    const bool* mp = mask.data_ptr<bool>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float sc = static_cast<float>(scale);
+    // one work item = (group, query, head); items never share a sum
+    at::parallel_for(0, groups * qmax * nh, 4, [&](int64_t b, int64_t e) {
+      std::vector<float> score(lmax);
+      std::vector<int64_t> key(lmax);
+      std::vector<float> acc(d);
+      for (int64_t it = b; it < e; ++it) {
+        const int64_t hh = it % nh, gi = it / nh;  // gi = group * qmax + query
+        const int64_t row = qi[gi];
+        if (row < 0 || row >= rows) continue;
+        const int64_t g = gi / qmax, kvh = hh / per_kv;
+        const scalar_t* qr = qp + row * q.stride(0) + hh * q.stride(1);
+        const bool* m = mp + gi * lmax;
+        const int64_t* slots = gp + g * lmax;
+        int64_t seen = 0;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < lmax; ++j) {
+          if (!m[j]) continue;
+          float s = dot(qr, kc + (slots[j] * nkv + kvh) * d, d) * sc;
+          key[seen] = slots[j];
+          score[seen++] = s;
+          mx = s > mx ? s : mx;
+        }
+        const float total = exp_shifted(score.data(), seen, mx);
+        for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
+        for (int64_t j = 0; j < seen; ++j) axpy(score[j], vc + (key[j] * nkv + kvh) * d, acc.data(), d);
+        scalar_t* orow = op + row * out.stride(0) + hh * out.stride(1);
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t i = 0; i < d; ++i) orow[i] = static_cast<scalar_t>(acc[i] * inv);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMS norm of rows");
+  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMS norm");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output");
+  m.def("rope_store", &rope_store, "rotary on q and k in place; k and v into the paged caches");
+  m.def("attend", &attend, "masked attention over paged keys, one fixed order per row");
+}

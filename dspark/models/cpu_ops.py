@@ -36,12 +36,12 @@ def _build():  # noqa: ANN202 - the compiled module
     from dspark.models.loader import cache_dir
 
     cap = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", *_ARCH_FLAGS.get(cap.replace("ZEN", ""), [])]
+    flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(cap.replace("ZEN", ""), [])]
     name = f"dspark_cpu_ops_{cap.lower()}"
     build = cache_dir() / "cpu_ops" / f"torch{torch.__version__.split('+')[0]}"
     build.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                   build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: fall back, say why
         log.warning("fused CPU kernels unavailable (%s); the pure-torch layers run instead", e)

@@ -1,0 +1,127 @@
+"""The fused CPU kernels (dspark/csrc/cpu_ops.cpp): each against a plain torch reference, the
+attention's fixed per-row order (a row alone == the same row among others, bit for bit), the
+fused decoder stack against the modules' own forward, and the pure-torch fallback."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.config import EngineConfig, SpecConfig
+from dspark.engine.attention import AttnBatch, TorchAttention
+from dspark.engine.engine import Engine
+from dspark.models import cpu_ops
+from dspark.models.layers import apply_rotary
+
+ops = cpu_ops.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be built here")
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    scale = want.float().abs().max().clamp_min(1e-6)
+    assert ((got.float() - want.float()).abs().max() / scale).item() <= tol
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_norms_and_swiglu_match_torch(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    h, d = torch.randn(5, 72, generator=g).to(dtype), torch.randn(5, 72, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(72, generator=g)).to(dtype)
+
+    def norm(x):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+
+    _close(ops.rms_norm(h, w, 1e-5), norm(h), tol)
+    s, out = ops.add_rms_norm(h, d, w, 1e-5)
+    assert torch.equal(s, h + d)
+    _close(out, norm(h + d), tol)
+    gu = torch.randn(3, 2 * 40, generator=g).to(dtype)
+    _close(ops.silu_mul(gu), F.silu(gu[:, :40]) * gu[:, 40:], tol)
+
+
+def test_rope_store_matches_the_modules_and_writes_the_cache():
+    g = torch.Generator().manual_seed(1)
+    n, nh, nkv, d = 4, 6, 2, 16
+    qkv = torch.randn(n, (nh + 2 * nkv) * d, generator=g).to(torch.bfloat16)
+    q, k, v = (t.reshape(n, -1, d) for t in qkv.split([nh * d, nkv * d, nkv * d], -1))
+    ang = torch.randn(n, d // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16), torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
+    want_q, want_k = apply_rotary(q, cos[:, None], sin[:, None]), apply_rotary(k, cos[:, None], sin[:, None])
+    want_v = v.clone()
+    kc, vc = torch.zeros(10, nkv, d, dtype=torch.bfloat16), torch.zeros(10, nkv, d, dtype=torch.bfloat16)
+    slots = torch.tensor([7, 2, 9, 0])
+    ops.rope_store(q, k, v, cos, sin, kc, vc, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)  # the same bits as the module ops
+    assert torch.equal(kc[slots], want_k) and torch.equal(vc[slots], want_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.rope_store(q, k, v, cos, sin, kc, vc, torch.tensor([7, 2, 9, 10]))
+
+
+def _plan(q_lens, kv_lens, masks=None):
+    attn = TorchAttention("cpu")
+    tables = [[i * 8 + p for p in range(8)] for i in range(len(q_lens))]
+    attn.plan(AttnBatch(q_lens, kv_lens, tables, page_size=4, mask="custom" if masks else "causal",
+                        custom_masks=masks or []))
+    return attn
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_attention_matches_sdpa(dtype, tol):
+    g = torch.Generator().manual_seed(2)
+    kc, vc = torch.randn(64, 2, 16, generator=g).to(dtype), torch.randn(64, 2, 16, generator=g).to(dtype)
+    q = torch.randn(1 + 5, 4, 16, generator=g).to(dtype)
+    attn = _plan([1, 5], [9, 20])
+    got = attn.attend(q, kc, vc, 0.25, ops)
+    want = attn.attend(q.double(), kc.double(), vc.double(), 0.25)
+    _close(got, want, tol)
+
+
+def test_attention_row_alone_equals_row_in_a_chain_and_a_tree():
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(64, 2, 16, generator=g).to(torch.bfloat16), torch.randn(64, 2, 16, generator=g).to(torch.bfloat16)
+    q = torch.randn(6, 4, 16, generator=g).to(torch.bfloat16)
+    chain = _plan([6], [20]).attend(q, kc, vc, 0.25, ops)
+    for j in range(6):  # the query at position 14 + j decoded alone
+        alone = _plan([1], [15 + j]).attend(q[j:j + 1], kc, vc, 0.25, ops)
+        assert torch.equal(alone[0], chain[j])
+    # a tree whose node 3 descends from nodes 0 and 2: alone, its path sits at positions 14-16
+    tree = torch.eye(4, dtype=torch.bool)
+    tree[1, 0] = tree[2, 0] = tree[3, 0] = tree[3, 2] = True
+    kt, vt = kc.clone(), vc.clone()
+    both = _plan([4], [18], [tree]).attend(q[:4], kt, vt, 0.25, ops)
+    path = [0, 2, 3]  # slots 14, 16, 17 in the tree; 14, 15, 16 on the path decoded alone
+    kt[15], vt[15] = kt[16], vt[16]
+    kt[16], vt[16] = kc[17], vc[17]
+    alone = _plan([1], [17]).attend(q[3:4], kt, vt, 0.25, ops)
+    assert path[-1] == 3 and torch.equal(alone[0], both[3])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_stack_matches_the_modules(folders, dtype, monkeypatch):
+    outs = []
+    for enabled in ("1", "0"):
+        monkeypatch.setenv("DSPARK_CPU_OPS", enabled)
+        engine = Engine(EngineConfig(model=folders["target"], device="cpu", dtype=dtype, spec=SpecConfig(drafter="none")))
+        s = SimpleNamespace(seq_id=1, num_cached=0)
+        engine.pool.reserve(1, 40)
+        prompt = engine.runner.forward([(s, list(range(3, 23)))], [19], capture=(0, 1))
+        s.num_cached = 20
+        step = engine.runner.forward([(s, [5, 6, 7])], [0, 1, 2], capture=(0, 1))
+        outs.append((prompt, step))
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for a, b in zip(*outs):
+        _close(a.logits, b.logits, tol)
+        _close(a.feats, b.feats, tol)
+
+
+def test_disabled_kernels_fall_back(monkeypatch):
+    monkeypatch.setenv("DSPARK_CPU_OPS", "0")
+    assert cpu_ops.load() is None
+    monkeypatch.setenv("DSPARK_CPU_OPS", "1")
+    assert cpu_ops.for_tensor(torch.zeros(1, dtype=torch.int64)) is None
+    assert cpu_ops.for_tensor(torch.zeros(1)) is ops

@@ -292,6 +292,44 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
   });
 }
 
+#if defined(__AVX512F__)
+// One query head over its visible keys with head_dim = 16 * C held in registers: scores as C
+// products added in a fixed pairwise tree, then the value sum over the keys in order.
+template <int C, typename T>
+void head_attend(const T* qr, const T* kc, const T* vc, const int64_t* slots, const bool* m, int64_t lmax,
+                 int64_t stride, float sc, float* score, int64_t* key, T* orow) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = load16(qr + 16 * c);
+  int64_t seen = 0;
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < lmax; ++j) {
+    if (!m[j]) continue;
+    const T* kr = kc + slots[j] * stride;
+    __m512 prod[C];
+    for (int c = 0; c < C; ++c) prod[c] = _mm512_mul_ps(qv[c], load16(kr + 16 * c));
+    for (int w = C / 2; w > 0; w /= 2) {
+      for (int c = 0; c < w; ++c) prod[c] = _mm512_add_ps(prod[c], prod[c + w]);
+    }
+    const float v = _mm512_reduce_add_ps(prod[0]) * sc;
+    key[seen] = slots[j];
+    score[seen++] = v;
+    mx = v > mx ? v : mx;
+  }
+  const float total = exp_shifted(score, seen, mx);
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seen; ++j) {
+    const __m512 p = _mm512_set1_ps(score[j]);
+    const T* vr = vc + key[j] * stride;
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vr + 16 * c), acc[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(total > 0.f ? 1.f / total : 0.f);
+  float tmp[16 * C];
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(tmp + 16 * c, _mm512_mul_ps(acc[c], inv));
+  for (int i = 0; i < 16 * C; ++i) orow[i] = static_cast<T>(tmp[i]);
+}
+#endif
+
 // Attention of query rows over paged keys, for sequences padded into a group: row q_index[g][i]
 // (>= rows: padding) sees the cached slots gather[g][j] where mask[g][i][j], visited in j order
 // (position order; a tree node's ancestors come before it). Softmax and the value sum run in
@@ -337,6 +375,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const scalar_t* qr = qp + row * q.stride(0) + hh * q.stride(1);
         const bool* m = mp + gi * lmax;
         const int64_t* slots = gp + g * lmax;
+        scalar_t* orow = op + row * out.stride(0) + hh * out.stride(1);
+#if defined(__AVX512F__)
+        if (d == 64 || d == 128) {
+          const scalar_t* kbase = kc + kvh * d;
+          const scalar_t* vbase = vc + kvh * d;
+          (d == 64 ? head_attend<4, scalar_t> : head_attend<8, scalar_t>)(
+              qr, kbase, vbase, slots, m, lmax, nkv * d, sc, score.data(), key.data(), orow);
+          continue;
+        }
+#endif
         int64_t seen = 0;
         float mx = -INFINITY;
         for (int64_t j = 0; j < lmax; ++j) {
@@ -349,7 +397,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float total = exp_shifted(score.data(), seen, mx);
         for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
         for (int64_t j = 0; j < seen; ++j) axpy(score[j], vc + (key[j] * nkv + kvh) * d, acc.data(), d);
-        scalar_t* orow = op + row * out.stride(0) + hh * out.stride(1);
         const float inv = total > 0.f ? 1.f / total : 0.f;
         for (int64_t i = 0; i < d; ++i) orow[i] = static_cast<scalar_t>(acc[i] * inv);
       }

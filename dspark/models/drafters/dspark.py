@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.layers import DecoderLayer, RMSNorm, Rotary
+from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, cpu_reduced_precision
 from dspark.models.llama import LlamaConfig
+from dspark.models.packed import PackedLinear
 
 
 @dataclass
@@ -182,12 +183,18 @@ class BlockDrafter(nn.Module):
         key = (w.data_ptr(), w.dtype, w.device, w.requires_grad, self.draft_to_target.data_ptr())
         if self._head_cache is None or self._head_cache[0] != key:
             rows = w[self.draft_to_target]
-            self._head_cache = (key, rows if w.requires_grad else rows.detach())
+            self._head_cache = (key, rows if w.requires_grad else rows.detach(), [])
         return self._head_cache[1]
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Float logits over the draft vocabulary (the target's when there is no reduced one)."""
-        return F.linear(h, self._head_weight()).float()
+        w = self._head_weight()
+        if self.draft_to_target is None or torch.is_grad_enabled() or not cpu_reduced_precision(w):
+            return F.linear(h, w).float()
+        packed = self._head_cache[2]  # on CPU in bf16/fp16 pre-packed once: aten::mm re-lays w every call
+        if not packed:
+            packed.append(PackedLinear(w.detach(), None))
+        return packed[0](h).float()
 
     def to_target_vocab(self, logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
         """Draft-vocabulary values -> [.., V] target-vocabulary ones, `fill` elsewhere."""

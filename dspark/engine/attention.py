@@ -51,6 +51,7 @@ class _Group:
     dest: torch.Tensor  # where those rows go in the [N] output
     short: bool  # decode steps and verification chains/trees (exact), not long prefill chunks
     dense: bool = False  # the only group, no padding: q and the output need no re-indexing
+    row_mask: torch.Tensor | None = None  # mask without its head axis [S, Qmax, Lmax] (the fused kernel's)
 
 
 class TorchAttention:
@@ -129,9 +130,9 @@ class TorchAttention:
         # exact groups keep their mask even when it hides nothing: SDPA's unmasked kernel sums in
         # another order, and a decoded token must match the same token verified
         keep = self.exact or not bool(mask.all())
-        return _Group(gather.to(dev), q_index.to(dev), mask[:, None].to(dev) if keep else None,
-                      torch.cat(out_rows).to(dev),
-                      torch.cat(dest).to(dev), exact)
+        mask = mask.to(dev) if keep else None
+        return _Group(gather.to(dev), q_index.to(dev), None if mask is None else mask[:, None],
+                      torch.cat(out_rows).to(dev), torch.cat(dest).to(dev), exact, row_mask=mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -151,7 +152,7 @@ class TorchAttention:
         out = q.new_empty(N, H, D) if len(self.groups) > 1 or fused else None
         for g in self.groups:
             if fused and g.short:
-                ops.attend(q, k_cache, v_cache, g.gather, g.q_index, g.mask[:, 0], scale, out)
+                ops.attend(q, k_cache, v_cache, g.gather, g.q_index, g.row_mask, scale, out)
                 continue
             if qz is None and not g.dense:
                 qz = torch.cat([q, q.new_zeros(1, H, D)])

@@ -40,6 +40,8 @@ def _build():  # noqa: ANN202 - the compiled module
     name = f"dspark_cpu_ops_{cap.lower()}"
     build = cache_dir() / "cpu_ops" / f"torch{torch.__version__.split('+')[0]}"
     build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob(f"{name}*.so")):
+        log.info("building the fused CPU kernels into %s (once per machine and torch version)", build)
     try:
         return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                   build_directory=str(build), verbose=False)

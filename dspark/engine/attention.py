@@ -51,7 +51,7 @@ class _Group:
     dest: torch.Tensor  # where those rows go in the [N] output
     short: bool  # decode steps and verification chains/trees (exact), not long prefill chunks
     dense: bool = False  # the only group, no padding: q and the output need no re-indexing
-    row_mask: torch.Tensor | None = None  # mask without its head axis [S, Qmax, Lmax] (the fused kernel's)
+    row_mask: torch.Tensor | None = None  # [S, Qmax, Lmax], kept even when SDPA needs none (the fused kernel's)
 
 
 class TorchAttention:
@@ -130,8 +130,8 @@ class TorchAttention:
         # exact groups keep their mask even when it hides nothing: SDPA's unmasked kernel sums in
         # another order, and a decoded token must match the same token verified
         keep = self.exact or not bool(mask.all())
-        mask = mask.to(dev) if keep else None
-        return _Group(gather.to(dev), q_index.to(dev), None if mask is None else mask[:, None],
+        mask = mask.to(dev)
+        return _Group(gather.to(dev), q_index.to(dev), mask[:, None] if keep else None,
                       torch.cat(out_rows).to(dev), torch.cat(dest).to(dev), exact, row_mask=mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -143,11 +143,11 @@ class TorchAttention:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                ops=None) -> torch.Tensor:  # noqa: ANN001 - ops: the fused CPU kernels (models.cpu_ops)
-        """Attention of q [N, H, D] over caches that already hold this pass's K/V. With ops, exact
-        groups (decode, chains, trees) run the fused kernel, which visits each row's keys in one
-        fixed order; long prefill chunks keep SDPA."""
+        """Attention of q [N, H, D] over caches that already hold this pass's K/V. With ops, short
+        groups (decode, chains, trees, drafter blocks) run the fused kernel, which visits each
+        row's keys in one fixed order; long prefill chunks keep SDPA."""
         N, H, D = q.shape
-        fused = ops is not None and self.exact
+        fused = ops is not None
         qz = None
         out = q.new_empty(N, H, D) if len(self.groups) > 1 or fused else None
         for g in self.groups:

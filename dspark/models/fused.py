@@ -1,10 +1,10 @@
-"""The target's decoder stack through the fused CPU kernels (``cpu_ops``).
+"""A decoder stack (the target's, or a DSpark drafter's block) through the fused CPU kernels.
 
 Same layers, same linears (int4/int8/pre-packed, tensor-parallel shards), fewer ops: per layer
 one residual-add-and-norm call after attention and after the MLP, one rotary-and-cache-write
-call, one attention call and one SwiGLU call. Used for every target pass on CPU when the
-kernels are available and the attention backend is the exact torch one, so a decoded token and
-the same token verified always take this path.
+call, one attention call and one SwiGLU call. Used for every inference pass on CPU when the
+kernels are available and the attention backend is the torch one, so a decoded token and the
+same token verified always take this path.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 
 def kernels_for(h: torch.Tensor, attn):  # noqa: ANN001, ANN201 - attn: an attention backend; returns cpu_ops or None
-    """The fused kernels when this pass can use them: CPU activations and the exact torch backend
-    (a drafter's inexact backend and FlashInfer keep the modules' own forward)."""
-    if getattr(attn, "attend", None) is None or not getattr(attn, "exact", False):
+    """The fused kernels when this pass can use them: CPU activations, the torch attention backend
+    (FlashInfer keeps the modules' own forward) and no autograd (the kernels have no backward)."""
+    if getattr(attn, "attend", None) is None or torch.is_grad_enabled():
         return None
     from dspark.models import cpu_ops
 
@@ -24,7 +24,8 @@ def kernels_for(h: torch.Tensor, attn):  # noqa: ANN001, ANN201 - attn: an atten
 
 def decoder_forward(model, ops, h: torch.Tensor, positions: torch.Tensor, attn, kv,  # noqa: ANN001
                     capture: tuple[int, ...], rows) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """LlamaModel.forward after the embedding, with the fused kernels (see the module docstring)."""
+    """LlamaModel.forward after the embedding, with the fused kernels (see the module docstring).
+    model: anything with ``rotary``, ``layers`` (layers.DecoderLayer) and a final ``norm``."""
     n = h.shape[0]
     cos, sin = model.rotary(positions, h.dtype)
     cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()

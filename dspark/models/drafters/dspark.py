@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models.fused import decoder_forward, kernels_for
 from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, cpu_reduced_precision
 from dspark.models.llama import LlamaConfig
 from dspark.models.packed import PackedLinear
@@ -223,6 +224,9 @@ class BlockDrafter(nn.Module):
     def block_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attn, kv) -> torch.Tensor:
         """Run the block tokens (attn planned with mask "full") -> final normed hidden."""
         h = self.embed(ids)
+        ops = kernels_for(h, attn)
+        if ops is not None:
+            return decoder_forward(self, ops, h, positions, attn, kv, (), None)[0]
         cos, sin = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, attn, kv.k[i], kv.v[i])

@@ -160,3 +160,22 @@ def test_decode_equals_verify_bitwise_with_64_wide_heads(tmp_path):
         else:  # verified as a chain, then as a one-path tree
             out.append(runner.forward([(s, ids[-n:])], list(range(n)), **masks).logits)
     assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+
+
+def test_fused_drafter_block_matches_the_modules(folders, monkeypatch):
+    """A DSpark drafter's block pass (q/k norms, the "full" block mask over its context) through
+    the fused kernels against its modules' own forward."""
+    outs = []
+    for enabled in ("1", "0"):
+        monkeypatch.setenv("DSPARK_CPU_OPS", enabled)
+        engine = Engine(EngineConfig(model=folders["target"], device="cpu", dtype="float32",
+                                     spec=SpecConfig(drafter=folders["dspark"])))
+        proposer = engine.spec.proposer
+        seq = SimpleNamespace(seq_id=1, num_cached=12, output_ids=[7])
+        engine.pool.reserve(1, 40)
+        g = torch.Generator().manual_seed(5)
+        feats = torch.randn(12, proposer.drafter.fc.in_features, generator=g)
+        proposer.drafter.write_context(feats, torch.arange(12), torch.tensor(engine.pool.slots(1, 0, 12)), proposer.kv)
+        with torch.inference_mode():
+            outs.append(proposer._block_pass([seq]))
+    _close(outs[0], outs[1], 1e-4)

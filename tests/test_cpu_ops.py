@@ -138,27 +138,15 @@ def test_decode_equals_verify_bitwise_with_64_wide_heads(tmp_path):
     attention kernel's register path, as SmolLM2's do. (bf16 rounding hides most changes of
     summation order; the float32 kernel tests above see them. A float32 engine is not compared
     bitwise: its dense linears go through MKL, whose row sums depend on the row count.)"""
-    dtype = "bfloat16"
     from spec_helpers import alphabet_prompts, save_tiny_target
+    from test_bf16_exact import _decode_vs_verify
 
     folder = save_tiny_target(tmp_path / "t64", head_dim=64)
-    engine = Engine(EngineConfig(model=folder, device="cpu", dtype=dtype, spec=SpecConfig(drafter="none")))
-    ids, n = alphabet_prompts([40], seed=4)[0], 9
-    runner, out = engine.runner, []
-    one_path_tree = {"mask": "custom", "custom_masks": [torch.ones(n, n).tril().bool()]}
-    for seq_id, masks in ((1, None), (2, {}), (3, one_path_tree)):
-        s = SimpleNamespace(seq_id=seq_id, num_cached=0)
-        engine.pool.reserve(seq_id, len(ids))
-        runner.forward([(s, ids[:-n])], [])
-        s.num_cached = len(ids) - n
-        if masks is None:  # decoded one token at a time
-            rows = []
-            for t in ids[-n:]:
-                rows.append(runner.forward([(s, [t])], [0]).logits[0])
-                s.num_cached += 1
-            out.append(torch.stack(rows))
-        else:  # verified as a chain, then as a one-path tree
-            out.append(runner.forward([(s, ids[-n:])], list(range(n)), **masks).logits)
+    engine = Engine(EngineConfig(model=folder, device="cpu", dtype="bfloat16", spec=SpecConfig(drafter="none")))
+    ids = alphabet_prompts([40], seed=4)[0]
+    decoded, chain = _decode_vs_verify(engine, ids, 9)
+    _, tree = _decode_vs_verify(engine, ids, 9, tree=True)  # a one-path tree: the custom-mask path
+    out = [decoded, chain, tree]
     assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
 
 

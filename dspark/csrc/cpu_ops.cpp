@@ -170,7 +170,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& d, c
               "weight must be a contiguous [features] tensor of h's dtype");
   auto sum = at::empty_like(h, at::MemoryFormat::Contiguous);
   auto out = at::empty_like(h, at::MemoryFormat::Contiguous);
-  const int64_t n = h.size(0), f = h.size(1);
+  const int64_t n = h.size(0), f = h.size(1), sh = h.stride(0), sd = d.stride(0);
   dispatch(h.scalar_type(), "add_rms_norm", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* hp = h.data_ptr<scalar_t>();
@@ -179,7 +179,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& d, c
     at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         for (int64_t i = 0; i < f; ++i) {
-          sp[r * f + i] = static_cast<scalar_t>(f32(hp[r * h.stride(0) + i]) + f32(dp[r * d.stride(0) + i]));
+          sp[r * f + i] = static_cast<scalar_t>(f32(hp[r * sh + i]) + f32(dp[r * sd + i]));
         }
       }
     });
@@ -271,15 +271,17 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
     for (int64_t r = 0; r < n; ++r) {
       TORCH_CHECK(sl[r] >= 0 && sl[r] < slot_count, "slot out of range");
     }
+    const int64_t sq0 = q.stride(0), sq1 = q.stride(1), sk0 = k.stride(0), sk1 = k.stride(1);
+    const int64_t sv0 = v.stride(0), sv1 = v.stride(1);
     at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const scalar_t* c = cp + r * d;
         const scalar_t* s = sp + r * d;
-        for (int64_t hh = 0; hh < nh; ++hh) rotate(qp + r * q.stride(0) + hh * q.stride(1), c, s, d);
+        for (int64_t hh = 0; hh < nh; ++hh) rotate(qp + r * sq0 + hh * sq1, c, s, d);
         for (int64_t hh = 0; hh < nkv; ++hh) {
-          scalar_t* kr = kp + r * k.stride(0) + hh * k.stride(1);
+          scalar_t* kr = kp + r * sk0 + hh * sk1;
           rotate(kr, c, s, d);
-          const scalar_t* vr = vp + r * v.stride(0) + hh * v.stride(1);
+          const scalar_t* vr = vp + r * sv0 + hh * sv1;
           scalar_t* kd = kc + (sl[r] * nkv + hh) * d;
           scalar_t* vd = vc + (sl[r] * nkv + hh) * d;
           for (int64_t i = 0; i < d; ++i) {
@@ -352,7 +354,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t slot_count = k_cache.size(0);
   const int64_t* gp = gather.data_ptr<int64_t>();
   for (int64_t i = 0; i < gather.numel(); ++i) TORCH_CHECK(gp[i] >= 0 && gp[i] < slot_count, "slot out of range");
-  const int64_t per_kv = nh / nkv;
+  const int64_t per_kv = nh / nkv, sq0 = q.stride(0), sq1 = q.stride(1), so0 = out.stride(0), so1 = out.stride(1);
   dispatch(q.scalar_type(), "attend", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -372,10 +374,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t row = qi[gi];
         if (row < 0 || row >= rows) continue;
         const int64_t g = gi / qmax, kvh = hh / per_kv;
-        const scalar_t* qr = qp + row * q.stride(0) + hh * q.stride(1);
+        const scalar_t* qr = qp + row * sq0 + hh * sq1;
         const bool* m = mp + gi * lmax;
         const int64_t* slots = gp + g * lmax;
-        scalar_t* orow = op + row * out.stride(0) + hh * out.stride(1);
+        scalar_t* orow = op + row * so0 + hh * so1;
 #if defined(__AVX512F__)
         if (d == 64 || d == 128) {
           const scalar_t* kbase = kc + kvh * d;

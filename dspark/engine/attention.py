@@ -46,12 +46,17 @@ class _Group:
 
     gather: torch.Tensor  # [S, Lmax] cache slots
     q_index: torch.Tensor  # [S, Qmax] rows of q (padding -> the zero row)
-    mask: torch.Tensor | None  # [S, 1, Qmax, Lmax]; None: every query sees every key (inexact only)
+    row_mask: torch.Tensor  # [S, Qmax, Lmax]: which keys each query row sees (the fused kernel's layout)
     out_rows: torch.Tensor  # rows of the flattened [S * Qmax] output that are real queries
     dest: torch.Tensor  # where those rows go in the [N] output
     short: bool  # decode steps and verification chains/trees (exact), not long prefill chunks
     dense: bool = False  # the only group, no padding: q and the output need no re-indexing
-    row_mask: torch.Tensor | None = None  # [S, Qmax, Lmax], kept even when SDPA needs none (the fused kernel's)
+    sdpa_masked: bool = True  # False: SDPA runs unmasked (every query sees every key; inexact only)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """SDPA's mask [S, 1, Qmax, Lmax] (one for every head), or None when it runs unmasked."""
+        return self.row_mask[:, None] if self.sdpa_masked else None
 
 
 class TorchAttention:
@@ -61,16 +66,17 @@ class TorchAttention:
     chunks) so a prefill chunk does not pad every decoding request's query to its length.
     exact=False (the drafter's, whose proposals need no bit-equality) attends short groups in
     float32 instead of float64, and an unmasked group (one block seeing all its keys) in the
-    cache's own dtype, where CPU SDPA is fastest."""
+    cache's own dtype, where CPU SDPA is fastest. With the fused CPU kernels (``attend``'s ops)
+    short groups skip the gather and SDPA altogether and are exact by a fixed summation order."""
 
     name = "torch"
     # Query-length group bounds: q == 1, q <= 16, q <= 33, longer. Every bounded group is attended
-    # exactly (float64 in bf16 on CPU), so the last bound is the longest chain (a block or a
-    # looked-up chain of at most 32 + its anchor: config.py caps a requested block size and
-    # ngram_assist_max_len at 32; a drafter emitting more than 32 a block would need a wider
-    # bound, which would also move short prefill chunks to float64); trees are exact whatever
-    # their size. A verified token must get the bits it would
-    # get decoded alone; longer prefill chunks need not.
+    # exactly (the fused kernel, or float64 SDPA in bf16 on CPU without it), so the last bound is
+    # the longest chain (a block or a looked-up chain of at most 32 + its anchor: config.py caps a
+    # requested block size and ngram_assist_max_len at 32; a drafter emitting more than 32 a block
+    # would need a wider bound, which would also move short prefill chunks to the exact path);
+    # trees are exact whatever their size. A verified token must get the bits it would get
+    # decoded alone; longer prefill chunks need not.
     BUCKETS = (1, 16, 33)
 
     def __init__(self, device: str | torch.device, exact: bool = True):
@@ -130,9 +136,8 @@ class TorchAttention:
         # exact groups keep their mask even when it hides nothing: SDPA's unmasked kernel sums in
         # another order, and a decoded token must match the same token verified
         keep = self.exact or not bool(mask.all())
-        mask = mask.to(dev)
-        return _Group(gather.to(dev), q_index.to(dev), mask[:, None] if keep else None,
-                      torch.cat(out_rows).to(dev), torch.cat(dest).to(dev), exact, row_mask=mask)
+        return _Group(gather.to(dev), q_index.to(dev), mask.to(dev), torch.cat(out_rows).to(dev),
+                      torch.cat(dest).to(dev), exact, sdpa_masked=keep)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -159,7 +164,8 @@ class TorchAttention:
             qp = q.view(g.q_index.shape[0], -1, H, D) if g.dense else qz[g.q_index]  # [S, Qmax, H, D]
             kp = k_cache[g.gather]  # [S, Lmax, Hkv, D]
             vp = v_cache[g.gather]
-            if cpu_reduced_precision(qp) and g.mask is not None:
+            mask = g.mask
+            if cpu_reduced_precision(qp) and mask is not None:
                 # CPU SDPA with a boolean mask runs several times slower in bf16/fp16 than in
                 # fp32 (measured 4x at q=1), so prefill chunks are attended in fp32, and decode/
                 # verification groups in float64 (exact_dtype: plain and speculative decoding
@@ -168,7 +174,7 @@ class TorchAttention:
                 qp, kp, vp = qp.to(dt), kp.to(dt), vp.to(dt)
             o = F.scaled_dot_product_attention(
                 qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-                attn_mask=g.mask, scale=scale, enable_gqa=H != k_cache.shape[1]).to(q.dtype)
+                attn_mask=mask, scale=scale, enable_gqa=H != k_cache.shape[1]).to(q.dtype)
             o = o.transpose(1, 2).reshape(-1, H, D)
             if not g.dense:
                 o = o[g.out_rows]

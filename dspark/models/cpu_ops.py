@@ -36,7 +36,7 @@ def _build():  # noqa: ANN202 - the compiled module
     from dspark.models.loader import cache_dir
 
     cap = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(cap.replace("ZEN", ""), [])]
+    flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(cap, [])]
     name = f"dspark_cpu_ops_{cap.lower()}"
     build = cache_dir() / "cpu_ops" / f"torch{torch.__version__.split('+')[0]}"
     build.mkdir(parents=True, exist_ok=True)

@@ -165,6 +165,7 @@ class BlockDrafter(nn.Module):
         # target ids of the reduced draft vocabulary (None: the full one)
         self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size) if c.draft_vocab_size else None)
         self._head_cache: tuple | None = None  # (key, rows of the LM head for the draft vocabulary)
+        self._packed_head: tuple | None = None  # (those rows, a PackedLinear of them) for CPU inference
         conf_in = c.hidden_size + (c.markov_rank if c.markov_rank > 0 else 0)
         self.confidence_head = ConfidenceHead(conf_in) if c.confidence_head else None
         # the target's embedding and head, kept in a tuple so they are not registered as ours
@@ -184,7 +185,7 @@ class BlockDrafter(nn.Module):
         key = (w.data_ptr(), w.dtype, w.device, w.requires_grad, self.draft_to_target.data_ptr())
         if self._head_cache is None or self._head_cache[0] != key:
             rows = w[self.draft_to_target]
-            self._head_cache = (key, rows if w.requires_grad else rows.detach(), [])
+            self._head_cache = (key, rows if w.requires_grad else rows.detach())
         return self._head_cache[1]
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -192,10 +193,10 @@ class BlockDrafter(nn.Module):
         w = self._head_weight()
         if self.draft_to_target is None or torch.is_grad_enabled() or not cpu_reduced_precision(w):
             return F.linear(h, w).float()
-        packed = self._head_cache[2]  # on CPU in bf16/fp16 pre-packed once: aten::mm re-lays w every call
-        if not packed:
-            packed.append(PackedLinear(w.detach(), None))
-        return packed[0](h).float()
+        # inference on CPU in bf16/fp16: the rows pre-packed once (aten::mm re-lays them every call)
+        if self._packed_head is None or self._packed_head[0] is not w:
+            self._packed_head = (w, PackedLinear(w, None))
+        return self._packed_head[1](h).float()
 
     def to_target_vocab(self, logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
         """Draft-vocabulary values -> [.., V] target-vocabulary ones, `fill` elsewhere."""

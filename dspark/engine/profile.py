@@ -12,18 +12,20 @@ from dspark.atomic import atomic_path
 from dspark.config import SamplingParams
 from dspark.engine.policy import CostModel
 from dspark.engine.sequence import Sequence
+from dspark.models import cpu_ops
 from dspark.models.loader import cache_dir
 
-# Token counts profiled. Besides powers of two, each side of 4 and 8 rows: CPU weight-only int4
-# kernels work in blocks of 4 rows, so 5 rows cost what 8 do, and a straight line from 4 to 8
-# would price a chain of 4 drafts far too cheaply.
+# Token counts profiled. Besides powers of two, each side of 4, 8 and 16 rows: torch's CPU int4
+# kernel works in blocks of 4 rows, so 5 rows cost what 8 do, and a straight line from 4 to 8
+# would price a chain of 4 drafts far too cheaply; the AMX int4 kernel steps at 16 rows.
 LADDER = [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 32, 64, 128, 256]
 
 
 def _key(engine) -> str:
     # a small KV cache measures only part of the ladder (the fit): its profile is kept apart
-    raw = (f"v4|{engine.model_path}|{engine.device}|{engine.dtype}|{torch.get_num_threads()}|{engine.attn.name}"
-           f"|graphs={bool(engine.runner.graphs)}|fit={_fit(engine.pool, LADDER)}"
+    amx = "Int4Linear" in engine.quantization and cpu_ops.amx() is not None
+    raw = (f"v5|amx={amx}|{engine.model_path}|{engine.device}|{engine.dtype}|{torch.get_num_threads()}"
+           f"|{engine.attn.name}|graphs={bool(engine.runner.graphs)}|fit={_fit(engine.pool, LADDER)}"
            f"|linears={','.join(sorted(engine.quantization))}|tp={engine.config.tensor_parallel_size}")
     if engine.device.type == "cuda":
         raw += "|" + torch.cuda.get_device_name(engine.device)

@@ -3,9 +3,11 @@
 On CPU a decode step of a small model is mostly per-op overhead: RMS norms computed in several
 float64 ops, rotary in six, attention gathered and padded for SDPA. The extension does each in
 one call with a fixed summation order per row (see the source's header for why that keeps
-speculative output exact). It is built once per machine with the system C++ compiler into
-``<cache dir>/cpu_ops/`` (torch's JIT extension loader; about a minute) and reused after.
-Without a compiler, or with ``DSPARK_CPU_OPS=0``, the model runs its pure-torch layers.
+speculative output exact). Where the CPU has AMX, ``csrc/int4_amx.cpp`` adds an int4 matmul whose
+cost hardly grows with the number of rows (verification). Each is built once per machine with the
+system C++ compiler into ``<cache dir>/cpu_ops/`` (torch's JIT extension loader; under a minute)
+and reused after. Without a compiler, or with ``DSPARK_CPU_OPS=0``, the model runs its pure-torch
+layers and torch's int4 kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
+AMX_SOURCE = SOURCE.with_name("int4_amx.cpp")
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
                "AVX2": ["-mavx2", "-mfma"]}
 
@@ -29,30 +32,60 @@ def enabled() -> bool:
     return os.environ.get("DSPARK_CPU_OPS", "1") != "0"
 
 
-@functools.cache
-def _build():  # noqa: ANN202 - the compiled module
+def _compile(name: str, source: pathlib.Path, flags: list[str]):  # noqa: ANN202 - the compiled module
     from torch.utils import cpp_extension
 
     from dspark.models.loader import cache_dir
 
-    cap = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(cap, [])]
-    name = f"dspark_cpu_ops_{cap.lower()}"
     build = cache_dir() / "cpu_ops" / f"torch{torch.__version__.split('+')[0]}"
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob(f"{name}*.so")):
-        log.info("building the fused CPU kernels into %s (once per machine and torch version)", build)
+        log.info("building %s into %s (once per machine and torch version)", source.name, build)
     try:
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                  build_directory=str(build), verbose=False)
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
+                                  extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: fall back, say why
-        log.warning("fused CPU kernels unavailable (%s); the pure-torch layers run instead", e)
+        log.warning("%s unavailable (%s); torch's own kernels run instead", source.name, e)
         return None
+
+
+@functools.cache
+def _build():  # noqa: ANN202 - the compiled module
+    cap = torch.backends.cpu.get_cpu_capability()
+    return _compile(f"dspark_cpu_ops_{cap.lower()}", SOURCE, _ARCH_FLAGS.get(cap, []))
 
 
 def load():  # noqa: ANN201 - the compiled module or None
     """The compiled kernels, or None when disabled or when they cannot be built here."""
     return _build() if enabled() else None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no AMX path
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@functools.cache
+def _build_amx():  # noqa: ANN202 - the compiled module
+    if not {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= _cpu_flags():
+        return None
+    mod = _compile("dspark_int4_amx", AMX_SOURCE, [*_ARCH_FLAGS["AVX512"], "-mavx512bf16", "-mamx-tile", "-mamx-bf16"])
+    if mod is not None and not mod.enable():
+        log.warning("the kernel refused this process the AMX registers; int4 layers use torch's kernel")
+        return None
+    return mod
+
+
+def amx():  # noqa: ANN201 - the compiled module or None
+    """The int4 kernel on AMX tiles (``csrc/int4_amx.cpp``) where the CPU has AMX-BF16 and neither
+    ``DSPARK_CPU_OPS=0`` nor ``DSPARK_CPU_AMX=0`` is set; else None."""
+    if not enabled() or os.environ.get("DSPARK_CPU_AMX", "1") == "0":
+        return None
+    return _build_amx()
 
 
 def for_tensor(x: torch.Tensor):  # noqa: ANN201 - the compiled module or None

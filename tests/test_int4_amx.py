@@ -1,0 +1,106 @@
+"""The int4 kernel on AMX tiles (dspark/csrc/int4_amx.cpp), where the CPU has AMX-BF16.
+
+Against a de-quantized reference, rows independent of their batch (up to the padded multi-tile
+path), which kernel an int4 linear picks, clear errors on bad input, and greedy speculative output
+equal to plain output of a target whose layers run on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_helpers import alphabet_prompts, make_engine, run_requests
+
+from dspark.config import SamplingParams
+from dspark.models import cpu_ops
+from dspark.models.quant import Int4Linear, quantize_int4
+
+pytestmark = [pytest.mark.usefixtures("single_thread"),
+              pytest.mark.skipif(cpu_ops.amx() is None, reason="no AMX-BF16 on this CPU (or no compiler)")]
+
+
+def _int4(n: int, k: int, seed: int = 0):  # noqa: ANN202
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05 * torch.linspace(0.3, 3.0, k)  # groups with other scales
+    return quantize_int4(w)
+
+
+def _weights_of(qw) -> torch.Tensor:  # noqa: ANN001
+    """The kernel's weights: scale * q + offset with both in fp16 (GGUF's own precision)."""
+    n, k = qw.q.shape
+    scale = qw.scale.half().double()
+    offset = (qw.zero.double() - 8 * qw.scale.double()).half().double()
+    return (qw.q.double().view(n, k // 32, 32) * scale[..., None] + offset[..., None]).view(n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_matches_dequantized_reference(rows: int) -> None:
+    """Within bf16's rounding of the result (2^-8 of the output scale) of a float64 product with
+    the de-quantized weights."""
+    qw = _int4(96, 192)
+    lin = Int4Linear(qw, None, torch.bfloat16)
+    assert lin.amx is not None
+    x = torch.randn(rows, 192).bfloat16()
+    ref = x.double() @ _weights_of(qw).t()
+    got = lin(x).double()
+    assert (got - ref).abs().max() <= 2 ** -8 * ref.abs().max()
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    """A row alone == the same row in batches of 2..144 rows, bit for bit (one tile of rows, and
+    several tiles with the last one padded)."""
+    lin = Int4Linear(_int4(64, 1536, seed=1), None, torch.bfloat16)
+    x = torch.randn(144, 1536).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(144)])
+    for m in (2, 9, 16, 17, 33, 144):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+    assert torch.equal(lin(x[7:20]), alone[7:20])  # a slice that does not start a tile
+
+
+def test_which_kernel_an_int4_linear_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX for bf16 with output widths in pairs of 16 columns; torch's kernel for fp16/fp32, other
+    widths, or DSPARK_CPU_AMX=0 (whose outputs agree with the AMX one within bf16 rounding)."""
+    qw = _int4(64, 128)
+    assert Int4Linear(qw, None, torch.bfloat16).amx is not None
+    assert Int4Linear(qw, None, torch.float16).amx is None
+    assert Int4Linear(qw, None, torch.float32).amx is None
+    assert Int4Linear(_int4(48, 128), None, torch.bfloat16).amx is None
+    monkeypatch.setenv("DSPARK_CPU_AMX", "0")
+    off = Int4Linear(qw, None, torch.bfloat16)
+    assert off.amx is None
+    monkeypatch.delenv("DSPARK_CPU_AMX")
+    x = torch.randn(3, 128).bfloat16()
+    on = Int4Linear(qw, None, torch.bfloat16)(x).float()
+    torch.testing.assert_close(off(x).float(), on, atol=0.02 * on.abs().max().item(), rtol=0)
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    amx = cpu_ops.amx()
+    q = torch.randint(0, 16, (48, 64), dtype=torch.uint8)
+    s = torch.ones(48, 2)
+    with pytest.raises(RuntimeError, match="N must divide by 32 and K by 32"):
+        amx.pack(q, s, s)
+    with pytest.raises(RuntimeError, match=r"\[N, K\] uint8"):
+        amx.pack(q.int(), s, s)
+    packed, so = amx.pack(q[:32], s[:32], s[:32])
+    with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 64"):
+        amx.mm(torch.zeros(1, 96).bfloat16(), packed, so)
+    with pytest.raises(RuntimeError, match="x must be"):
+        amx.mm(torch.zeros(1, 64), packed, so)
+    with pytest.raises(RuntimeError, match="fp16 tensor pack"):
+        amx.mm(torch.zeros(1, 64).bfloat16(), packed, so.float())
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_speculative_equals_plain_on_amx(folders, tree: bool) -> None:  # noqa: ANN001
+    """Greedy DSpark speculation on an int4 bf16 target running the AMX kernel gives plain
+    decoding's tokens of that target."""
+    prompts = alphabet_prompts([15, 24, 33, 40], seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
+    plain = make_engine(folders["target"], "none", quantization="int4", dtype="bfloat16")
+    layers = [m for m in plain.runner.model.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.amx is not None for m in layers)
+    ref = run_requests(plain, [(p, sp, None) for p in prompts])
+    spec = make_engine(folders["target"], folders["dspark"], quantization="int4", dtype="bfloat16", tree=tree)
+    outs = run_requests(spec, [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert spec.spec_stats.accepted > 0

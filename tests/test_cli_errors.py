@@ -51,6 +51,9 @@ def test_train_drafter_numbers(flags, words, prompts, tmp_path, capsys):
 @pytest.mark.parametrize("line,words", [
     ("{bad json", ":2: not valid JSON"), ('["a list"]', ":2: each line must be a JSON object"),
     ('{"turns": [5]}', ":2: a row needs"), ('{"prompt": ""}', ":2: a row needs"),
+    ('{"messages": [{"role": "bot", "content": "hi"}]}', ":2: 'messages' must be a non-empty list"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
+     ":2: the last of 'messages' must be a user message"),
 ])
 def test_bad_prompt_lines_are_named(line, words, tmp_path, capsys):
     path = tmp_path / "bad.jsonl"

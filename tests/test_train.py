@@ -306,6 +306,22 @@ def test_resume_continues_the_same_run(target, tmp_path):
     assert losses_resumed == pytest.approx(losses_full[3:], rel=1e-5, abs=1e-6)
 
 
+def test_conversation_rows_are_answered_whole(tmp_path):
+    """A `messages` row (user, assistant, user) keeps the whole conversation for the chat template;
+    bench readers take its first user message as the prompt text."""
+    from dspark.bench.prompts import load_prompts
+
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."},
+            {"role": "assistant", "content": "A pear."}, {"role": "user", "content": "Another?"}]
+    pf = tmp_path / "p.jsonl"
+    pf.write_text(json.dumps({"id": "m", "category": "multiturn", "messages": conv}) + "\n"
+                  + json.dumps({"prompt": "Hi"}) + "\n")
+    got = read_prompts(pf)
+    assert got[0]["messages"] == conv and got[0]["category"] == "multiturn"
+    assert got[1]["messages"] == [{"role": "user", "content": "Hi"}]
+    assert load_prompts(pf, 2) == ["Name a fruit.", "Hi"]
+
+
 def test_generate_dataset_resumable(tiny_folder, tmp_path):
     pf = tmp_path / "p.jsonl"
     rows = [{"id": f"x{i}", "category": "c", "prompt": f"Say {i}"} for i in range(3)]

@@ -1,9 +1,10 @@
 """Self-distillation data: the target writes the responses the drafter learns from.
 
-Prompts come from jsonl (`prompt`: one user turn, or `turns`: a list of user turns, of which
-the first is used). The target's chat template is applied, then the target generates a
-response: greedy for most prompts, sampled at temperature 0.7 for a share of them (default
-25%, chosen per prompt from the seed). Only token ids are stored, in shards
+Prompts come from jsonl (`prompt`: one user turn; `turns`: a list of user turns, of which
+the first is used; `messages`: a conversation ending with a user turn, answered as a whole).
+The target's chat template is applied, then the target generates a response: greedy for most
+prompts, sampled at temperature 0.7 for a share of them (default 25%, chosen per prompt from
+the seed). Only token ids are stored, in shards
 `<dir>/shard_00000.safetensors` holding `tokens` (int32, all sequences concatenated),
 `offsets` (int64 [n+1]), `prompt_lens` (int32 [n]: positions >= prompt_len are the response),
 `prompt_index` (int64 [n]) and `sampled` (uint8 [n]); category names in the metadata.
@@ -32,21 +33,21 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from dspark.atomic import atomic_path
-from dspark.prompt_file import prompt_rows
+from dspark.prompt_file import prompt_rows, row_messages
 
 log = logging.getLogger(__name__)
 
 
 def read_prompts(path: str | Path, limit: int | None = None, skip: int = 0) -> list[dict]:
-    """[{id, category, messages}] from a jsonl file with `prompt` or `turns` per line, after
-    its first `skip` prompts."""
+    """[{id, category, messages}] from a jsonl file with `prompt`, `turns` or `messages` per line,
+    after its first `skip` prompts."""
     out = []
     for line_no, d, text in prompt_rows(path):
         if skip > 0:
             skip -= 1
             continue
         out.append({"id": d.get("id", str(line_no - 1)), "category": d.get("category", "all"),
-                    "messages": [{"role": "user", "content": text}]})
+                    "messages": row_messages(d, text)})
         if limit and len(out) >= limit:
             break
     return out

@@ -77,3 +77,19 @@ def gguf_linear_parts(path: str) -> dict[str, tuple[str, Int4Weight | Int8Weight
         if len(slots) == _PARTS[name.split(".", 2)[2]] and len(kinds) == 1:
             out[name] = (kinds.pop(), _cat([slots[i][1] for i in sorted(slots)]))
     return out
+
+
+def gguf_head_blocks(path: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The LM head's own Q8_0 blocks (``output.weight``, else the tied ``token_embd.weight``) as
+    int8 codes [vocab, hidden] and float32 scales [vocab, hidden / 32]; None for another type."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    t = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if t is None or t.tensor_type.name != "Q8_0":
+        return None
+    n, k = (int(x) for x in reversed(t.shape))
+    blocks = np.ascontiguousarray(np.asarray(t.data)).reshape(n, k // GROUP, -1)
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return torch.from_numpy(codes), torch.from_numpy(scale)

@@ -76,6 +76,16 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
     return Int4Weight(q.to(torch.int32).view(n, k), scale, lo + 8 * scale)
 
 
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q8_0 scheme: int8 codes [N, K] and an fp16-representable scale per 32 inputs
+    [N, K / 32] (float32), w ~ scale * q."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    scale = (g.abs().amax(-1) / 127).half().float()
+    q = torch.round(g / scale.clamp_min(1e-30)[..., None]).clamp(-128, 127).to(torch.int8)
+    return q.view(n, k), scale
+
+
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
     """Symmetric 8-bit codes with one scale per output row."""
     scale = (w.float().abs().amax(-1) / 127).clamp_min(1e-12)
@@ -113,9 +123,9 @@ class _WeightOnly(nn.Module):
 
 class Int4Linear(_WeightOnly):
     """Weight-only int4 linear over groups of 32. In bf16 on a CPU with AMX it runs
-    ``csrc/int4_amx.cpp`` (w = scale * q + offset with fp16 scales, as GGUF's; one pass over the weights
-    serves up to 16 rows at about the cost of one); elsewhere torch's packed CPU kernel, which reads
-    scales and offsets in the activation dtype. prefill_dense keeps a pre-packed dense copy
+    ``csrc/quant_amx.cpp`` (w = scale * q + offset with fp16 scales, as GGUF's; one pass over the
+    weights serves up to 16 rows at about the cost of one); elsewhere torch's packed CPU kernel,
+    which reads scales and offsets in the activation dtype. prefill_dense keeps a pre-packed dense copy
     (de-quantized from the same codes and scales) for prompt rows."""
 
     def __init__(self, w: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype, prefill_dense: bool = False):
@@ -158,6 +168,24 @@ class Int8Linear(_WeightOnly):
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
 
+class Int8Head(nn.Module):
+    """The LM head as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles: a
+    quarter of a bf16 head's bytes read per decode step. Still exposes the dense ``weight`` (tied to
+    the embedding, and read by drafters that share the target's head)."""
+
+    def __init__(self, head: nn.Module, codes: torch.Tensor, scale: torch.Tensor, amx):  # noqa: ANN001
+        super().__init__()
+        self.weight = head.weight
+        self.amx = amx
+        packed, scale_offset = amx.pack(codes, scale, torch.zeros_like(scale))
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_offset", scale_offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.amx.mm(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.scale_offset)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 # --------------------------------------------------------------------------- applying a mode
 def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cpu" or mode == "none":
@@ -169,11 +197,15 @@ def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torc
     return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
 
 
-def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[str, object]] | None = None) -> dict:
+def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[str, object]] | None = None,
+                   head_blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """Swap the decoder layers' linears of ``model`` (already on its device and dtype) for the
-    kernels ``mode`` asks for; also pre-pack the dense LM head on CPU. ``file_weights`` maps a
-    fused linear's name (``layers.0.mlp.gate_up_proj``) to its GGUF parts, as returned by
-    :func:`dspark.models.gguf_blocks.gguf_linear_parts`. Returns a summary: kernel -> count and bytes."""
+    kernels ``mode`` asks for, and the LM head on CPU for an int8 one on AMX (when the layers are
+    quantized, in bf16) or a pre-packed dense one. ``file_weights`` maps a fused linear's name
+    (``layers.0.mlp.gate_up_proj``) to its GGUF parts, as returned by
+    :func:`dspark.models.gguf_blocks.gguf_linear_parts`; ``head_blocks`` are the file's own Q8_0
+    head codes and scales (else the head is quantized at load). Returns a summary: kernel -> count
+    and bytes."""
     check_quantization(mode)
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -198,8 +230,19 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
             stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
             stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
     if dev.type == "cpu" and cpu_reduced_precision(model.lm_head.weight):
-        model.lm_head = PackedHead(model.lm_head)
+        model.lm_head = _cpu_head(model.lm_head, quantized=bool({"Int4Linear", "Int8Linear"} & set(summary)),
+                                  head_blocks=head_blocks)
+        log.info("LM head: %s", type(model.lm_head).__name__)
     return {k: {"count": c, "bytes": b} for k, (c, b) in summary.items()}
+
+
+def _cpu_head(head: nn.Module, quantized: bool, head_blocks) -> nn.Module:  # noqa: ANN001
+    w = head.weight
+    amx = cpu_ops.amx() if quantized and w.dtype == torch.bfloat16 and getattr(head, "bias", None) is None else None
+    if amx is None or w.shape[0] % 32 or w.shape[1] % GROUP:
+        return PackedHead(head)
+    codes, scale = head_blocks if head_blocks is not None else quantize_q8_0(w.detach())
+    return Int8Head(head, codes, scale, amx)
 
 
 def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
@@ -221,7 +264,7 @@ def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
 def quantize_target(model: nn.Module, mode: str, model_arg: str | None) -> dict:
     """:func:`quantize_model` for a target loaded from ``model_arg`` (a ``--model`` value): when
     that is a GGUF and the layers may stay quantized on CPU, its own blocks are read back."""
-    from dspark.models.gguf_blocks import gguf_linear_parts
+    from dspark.models.gguf_blocks import gguf_head_blocks, gguf_linear_parts
     from dspark.models.loader import source_gguf
 
     check_quantization(mode)
@@ -229,7 +272,7 @@ def quantize_target(model: nn.Module, mode: str, model_arg: str | None) -> dict:
     keeps_blocks = any(_resolve(mode, kind, w.device, w.dtype) != "none" for kind in ("Q4", "Q8_0"))
     gguf = source_gguf(model_arg) if keeps_blocks else None
     parts = gguf_linear_parts(gguf) if gguf else None
-    summary = quantize_model(model, mode, parts)
+    summary = quantize_model(model, mode, parts, gguf_head_blocks(gguf) if gguf else None)
     log.info("decoder-layer linears (--quantization %s): %s", mode, summary)
     _return_freed_heap()
     return summary

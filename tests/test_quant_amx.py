@@ -1,4 +1,4 @@
-"""The int4 kernel on AMX tiles (dspark/csrc/int4_amx.cpp), where the CPU has AMX-BF16.
+"""The int4/int8 kernel on AMX tiles (dspark/csrc/quant_amx.cpp), where the CPU has AMX-BF16.
 
 Against a de-quantized reference, rows independent of their batch (up to the padded multi-tile
 path), which kernel an int4 linear picks, clear errors on bad input, and greedy speculative output
@@ -12,7 +12,8 @@ from spec_helpers import alphabet_prompts, make_engine, run_requests
 
 from dspark.config import SamplingParams
 from dspark.models import cpu_ops
-from dspark.models.quant import Int4Linear, quantize_int4
+from dspark.models.packed import PackedHead
+from dspark.models.quant import Int4Linear, Int8Head, quantize_int4, quantize_q8_0
 
 pytestmark = [pytest.mark.usefixtures("single_thread"),
               pytest.mark.skipif(cpu_ops.amx() is None, reason="no AMX-BF16 on this CPU (or no compiler)")]
@@ -79,7 +80,7 @@ def test_bad_input_is_a_clear_error() -> None:
     s = torch.ones(48, 2)
     with pytest.raises(RuntimeError, match="N must divide by 32 and K by 32"):
         amx.pack(q, s, s)
-    with pytest.raises(RuntimeError, match=r"\[N, K\] uint8"):
+    with pytest.raises(RuntimeError, match=r"\[N, K\] uint8 or int8"):
         amx.pack(q.int(), s, s)
     packed, so = amx.pack(q[:32], s[:32], s[:32])
     with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 64"):
@@ -99,8 +100,62 @@ def test_speculative_equals_plain_on_amx(folders, tree: bool) -> None:  # noqa: 
     plain = make_engine(folders["target"], "none", quantization="int4", dtype="bfloat16")
     layers = [m for m in plain.runner.model.modules() if isinstance(m, Int4Linear)]
     assert layers and all(m.amx is not None for m in layers)
+    assert isinstance(plain.runner.model.lm_head, Int8Head)
     ref = run_requests(plain, [(p, sp, None) for p in prompts])
     spec = make_engine(folders["target"], folders["dspark"], quantization="int4", dtype="bfloat16", tree=tree)
     outs = run_requests(spec, [(p, sp, None) for p in prompts])
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert spec.spec_stats.accepted > 0
+
+
+@pytest.mark.parametrize("rows", [1, 9, 17])
+def test_int8_head_matches_q8_0_reference(rows: int) -> None:
+    """The int8 head (GGUF's Q8_0 codes, one fp16 scale per 32 inputs) within bf16's rounding of
+    a float64 product with scale * q, each row as it is alone, the dense weight still exposed."""
+    w = torch.randn(96, 128) * 0.05
+    codes, scale = quantize_q8_0(w)
+    deq = (codes.double().view(96, 4, 32) * scale.double()[..., None]).view(96, 128)
+    assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6  # half a step at most
+    lin = torch.nn.Linear(128, 96, bias=False).bfloat16()
+    head = Int8Head(lin, codes, scale, cpu_ops.amx())
+    assert head.weight is lin.weight
+    x = torch.randn(rows, 128).bfloat16()
+    ref = x.double() @ deq.t()
+    got = head(x[None])[0].double()
+    assert (got - ref).abs().max() <= 2 ** -8 * ref.abs().max()
+    assert torch.equal(torch.cat([head(x[i:i + 1]) for i in range(rows)]), head(x))
+
+
+def test_gguf_head_blocks_are_the_files_own(tmp_path) -> None:  # noqa: ANN001
+    """A GGUF's Q8_0 token embedding comes back as its own codes and scales (gguf's de-quantization
+    exactly); another type gives None, so the head is quantized at load instead."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    from dspark.models.gguf_blocks import gguf_head_blocks
+
+    w = (np.random.default_rng(0).standard_normal((64, 96)) * 0.05).astype(np.float32)
+    for kind, name in ((gguf.GGMLQuantizationType.Q8_0, "q8"), (gguf.GGMLQuantizationType.F32, "f32")):
+        path = tmp_path / f"{name}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        raw = quantize(w, kind) if name == "q8" else w
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=kind if name == "q8" else None)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        got = gguf_head_blocks(str(path))
+        if name == "f32":
+            assert got is None
+            continue
+        codes, scale = got
+        assert codes.dtype == torch.int8 and codes.shape == (64, 96) and scale.shape == (64, 3)
+        want = torch.from_numpy(dequantize(raw, kind).astype(np.float32))
+        assert torch.equal((codes.float().view(64, 3, 32) * scale[..., None]).view(64, 96), want)
+
+
+def test_dense_heads_stay_dense(folders) -> None:  # noqa: ANN001
+    """Without quantized layers (--quantization none) the head stays a pre-packed dense one."""
+    engine = make_engine(folders["target"], "none", quantization="none", dtype="bfloat16")
+    assert isinstance(engine.runner.model.lm_head, PackedHead)

@@ -1,14 +1,16 @@
-// Weight-only int4 matmul on Intel AMX tiles (bf16 activations), for decode and verification rows.
+// Weight-only int4 and int8 matmul on Intel AMX tiles (bf16 activations), for decode and
+// verification rows (int4: the decoder layers; int8: the LM head, as a GGUF's Q8_0 blocks).
 //
-// Why: torch's int4 CPU kernel works through the weights once per block of 4 rows, so verifying 9
-// draft tokens costs ~2.4x decoding one. AMX multiplies a 16-row tile for about the price of one
-// row, so here a pass over the weights costs nearly the same for 1 and 16 rows.
+// Why: torch's int4 CPU kernel works through the weights once per block of 4 rows, so verifying a
+// block of draft tokens costs several decode steps. AMX multiplies a 16-row tile for about the
+// price of one row, so here a pass over the weights costs nearly the same for 1 and 16 rows.
 //
 // Numerics (the same for every row count, so decode and verification agree bit for bit): codes q
-// in [0, 15] are exact in bf16 and x * q is exact in fp32, so per group of 32 inputs the tile
-// multiply gives S = sum x*q accumulated in fp32 in the hardware's fixed pair order. Each output is
-// then acc += d * S; acc += m * sum(x) over groups in order, with w = d * q + m (fp16 d, m). A row's
-// result depends on its own inputs only; threads split output columns, never a sum.
+// (int4 in [0, 15], int8 in [-128, 127]) are exact in bf16 and x * q is exact in fp32, so per
+// group of 32 inputs the tile multiply gives S = sum x*q accumulated in fp32 in the hardware's
+// fixed pair order. Each output is then acc += d * S; acc += m * sum(x) over groups in order, with
+// w = d * q + m (fp16 d, m). A row's result depends on its own inputs only; threads split output
+// columns, never a sum.
 
 #include <torch/extension.h>
 
@@ -73,6 +75,16 @@ inline void expand(const uint8_t* src, uint16_t* dst, __m512i table) {
   }
 }
 
+// 512 int8 codes, one tile row (32 codes in pair order) per 32 bytes -> bf16 through fp32 (exact
+// for |q| <= 256).
+inline void expand8(const int8_t* src, uint16_t* dst) {
+  for (int r = 0; r < 16; ++r) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32 * r))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32 * r + 16))));
+    _mm512_store_si512(dst + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
 inline __m512 half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -90,23 +102,31 @@ bool enable() {
   return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
 }
 
-// codes [N, K] uint8 in [0, 15], d and m [N, K / 32] -> (packed nibbles, [N/16, G, 2, 16] fp16 d|m).
+// codes [N, K] (uint8 in [0, 15]: int4; int8: int8), d and m [N, K / 32] ->
+// (packed codes [N/16, G, tile bytes], [N/16, G, 2, 16] fp16 d|m).
 std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "pack: codes must be [N, K] uint8");
+  const bool bytes = q.scalar_type() == at::kChar;
+  TORCH_CHECK(q.dim() == 2 && (bytes || q.scalar_type() == at::kByte), "pack: codes must be [N, K] uint8 or int8");
   const int64_t n = q.size(0), k = q.size(1), g = k / kGroup;
   TORCH_CHECK(n % (2 * kCols) == 0 && k % kGroup == 0, "pack: N must divide by 32 and K by 32");
+  TORCH_CHECK(d.sizes() == m.sizes() && d.dim() == 2 && d.size(0) == n && d.size(1) == g,
+              "pack: scales and offsets must be [N, K / 32]");
   auto qc = q.contiguous();
-  auto packed = at::zeros({n / kCols, g, kTileBytes}, q.options());
-  const uint8_t* src = qc.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
+  auto packed = at::zeros({n / kCols, g, tile_bytes}, q.options());
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(qc.data_ptr());
+  uint8_t* dst = reinterpret_cast<uint8_t*>(packed.data_ptr());
   for (int64_t t = 0; t < n / kCols; ++t)
     for (int64_t gi = 0; gi < g; ++gi) {
-      uint8_t* tile = dst + (t * g + gi) * kTileBytes;
+      uint8_t* tile = dst + (t * g + gi) * tile_bytes;
       for (int r = 0; r < 16; ++r)  // tile row r: k = 2r + (w % 2) of column w / 2
         for (int w = 0; w < 32; ++w) {
           const int64_t col = t * kCols + w / 2, kk = gi * kGroup + 2 * r + w % 2;
-          const int byte = 64 * (r / 4) + 2 * w + (r % 4) / 2;
-          tile[byte] |= src[col * k + kk] << (4 * (r % 2));
+          if (bytes) {
+            tile[32 * r + w] = src[col * k + kk];
+          } else {
+            tile[64 * (r / 4) + 2 * w + (r % 4) / 2] |= src[col * k + kk] << (4 * (r % 2));
+          }
         }
     }
   auto dm = at::stack({d.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}),
@@ -119,7 +139,9 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "mm: x must be [M, K] bf16");
   const int64_t rows = x_in.size(0), k = x_in.size(1), g = k / kGroup, pairs = packed.size(0) / 2;
   const int64_t n = packed.size(0) * kCols;
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kTileBytes &&
+  const bool bytes = packed.scalar_type() == at::kChar;
+  const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
+  TORCH_CHECK(packed.dim() == 3 && (bytes || packed.scalar_type() == at::kByte) && packed.size(2) == tile_bytes &&
               packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm: not a packed weight");
   TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == packed.size(0) * packed.size(1) * 2 * kCols,
               "mm: scales must be the fp16 tensor pack() returned");
@@ -140,7 +162,7 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
       const auto* p = xp + r * k + gi * kGroup;
       sxp[r * g + gi] = _mm512_reduce_add_ps(_mm512_add_ps(load_bf16(p), load_bf16(p + 16)));
     }
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
   const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   auto* yp = y.data_ptr<c10::BFloat16>();
   // Column tiles go in pairs (two independent tile chains per group keep the unit busy); each
@@ -154,17 +176,22 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
     for (int64_t pr = p0; pr < p1; ++pr) {
       const int64_t t = 2 * pr;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      const uint8_t* wt0 = wp + t * g * kTileBytes;
-      const uint8_t* wt1 = wt0 + g * kTileBytes;
+      const uint8_t* wt0 = wp + t * g * tile_bytes;
+      const uint8_t* wt1 = wt0 + g * tile_bytes;
       const uint16_t* dm0 = dmp + t * g * 2 * kCols;
       const uint16_t* dm1 = dm0 + g * 2 * kCols;
       for (int64_t gi = 0; gi < g; ++gi) {
-        for (int line = 0; line < kTileBytes; line += 64) {  // memory-bound at one row: fetch ahead
-          _mm_prefetch(reinterpret_cast<const char*>(wt0 + (gi + kAhead) * kTileBytes + line), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(wt1 + (gi + kAhead) * kTileBytes + line), _MM_HINT_T0);
+        for (int64_t line = 0; line < tile_bytes; line += 64) {  // memory-bound at one row: fetch ahead
+          _mm_prefetch(reinterpret_cast<const char*>(wt0 + (gi + kAhead) * tile_bytes + line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(wt1 + (gi + kAhead) * tile_bytes + line), _MM_HINT_T0);
         }
-        expand(wt0 + gi * kTileBytes, btile[0], table);
-        expand(wt1 + gi * kTileBytes, btile[1], table);
+        if (bytes) {
+          expand8(reinterpret_cast<const int8_t*>(wt0 + gi * tile_bytes), btile[0]);
+          expand8(reinterpret_cast<const int8_t*>(wt1 + gi * tile_bytes), btile[1]);
+        } else {
+          expand(wt0 + gi * tile_bytes, btile[0], table);
+          expand(wt1 + gi * tile_bytes, btile[1], table);
+        }
         _tile_loadd(1, btile[0], 64);
         _tile_loadd(3, btile[1], 64);
         const __m512 dv0 = half16(dm0 + gi * 2 * kCols), mv0 = half16(dm0 + gi * 2 * kCols + kCols);
@@ -198,6 +225,6 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable", &enable, "request the AMX register state from the kernel");
-  m.def("pack", &pack, "int4 codes and group scales -> the AMX kernel's layout");
-  m.def("mm", &mm, "bf16 rows times a packed int4 weight");
+  m.def("pack", &pack, "int4 (uint8) or int8 codes and group scales -> the AMX kernel's layout");
+  m.def("mm", &mm, "bf16 rows times a packed int4 or int8 weight");
 }

@@ -17,7 +17,8 @@ their weights:
 Every kernel here computes each output row from its input row alone, in the same order whatever
 the number of rows, so a token decoded alone and the same token verified in a chain get the same
 bits: speculative output stays equal to plain output of the same quantized model. The embedding
-and LM head stay dense (the drafter reads the target's head weights).
+stays dense; so does the LM head, except on AMX with quantized layers, where it runs as int8
+(``Int8Head``) and keeps its dense weight for drafters that read it.
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ class Int8Linear(_WeightOnly):
 
 
 class Int8Head(nn.Module):
-    """The LM head as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles: a
-    quarter of a bf16 head's bytes read per decode step. Still exposes the dense ``weight`` (tied to
+    """The LM head as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles: about
+    half a bf16 head's bytes read per decode step. Still exposes the dense ``weight`` (tied to
     the embedding, and read by drafters that share the target's head)."""
 
     def __init__(self, head: nn.Module, codes: torch.Tensor, scale: torch.Tensor, amx):  # noqa: ANN001

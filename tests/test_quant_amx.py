@@ -145,7 +145,7 @@ def test_gguf_head_blocks_are_the_files_own(tmp_path) -> None:  # noqa: ANN001
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        got = gguf_head_blocks(str(path))
+        got = gguf_head_blocks(gguf.GGUFReader(str(path)))
         if name == "f32":
             assert got is None
             continue

@@ -50,12 +50,10 @@ def _cat(ws: list[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
     return Int8Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]))
 
 
-def gguf_linear_parts(path: str) -> dict[str, tuple[str, Int4Weight | Int8Weight]]:
-    """Fused layer linears whose GGUF parts all share one kept layout ("Q4" for Q4_0/Q4_1, or
-    "Q8_0"): ``layers.3.mlp.gate_up_proj`` -> (layout, codes and scales in the model's row order)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+def gguf_linear_parts(reader) -> dict[str, tuple[str, Int4Weight | Int8Weight]]:  # noqa: ANN001
+    """Fused layer linears whose GGUF parts (a ``gguf.GGUFReader``'s) all share one kept layout ("Q4"
+    for Q4_0/Q4_1, or "Q8_0"): ``layers.3.mlp.gate_up_proj`` -> (layout, codes and scales in the
+    model's row order)."""
     arch, n_head, n_kv = gguf_heads(reader)
     found: dict[str, dict[int, tuple[str, Int4Weight | Int8Weight]]] = {}
     for t in reader.tensors:
@@ -79,12 +77,11 @@ def gguf_linear_parts(path: str) -> dict[str, tuple[str, Int4Weight | Int8Weight
     return out
 
 
-def gguf_head_blocks(path: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The LM head's own Q8_0 blocks (``output.weight``, else the tied ``token_embd.weight``) as
-    int8 codes [vocab, hidden] and float32 scales [vocab, hidden / 32]; None for another type."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(path).tensors}
+def gguf_head_blocks(reader) -> tuple[torch.Tensor, torch.Tensor] | None:  # noqa: ANN001
+    """The LM head's own Q8_0 blocks in a ``gguf.GGUFReader`` (``output.weight``, else the tied
+    ``token_embd.weight``) as int8 codes [vocab, hidden] and float32 scales [vocab, hidden / 32];
+    None for another type."""
+    tensors = {t.name: t for t in reader.tensors}
     t = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if t is None or t.tensor_type.name != "Q8_0":
         return None

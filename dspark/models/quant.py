@@ -265,6 +265,8 @@ def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
 def quantize_target(model: nn.Module, mode: str, model_arg: str | None) -> dict:
     """:func:`quantize_model` for a target loaded from ``model_arg`` (a ``--model`` value): when
     that is a GGUF and the layers may stay quantized on CPU, its own blocks are read back."""
+    from gguf import GGUFReader
+
     from dspark.models.gguf_blocks import gguf_head_blocks, gguf_linear_parts
     from dspark.models.loader import source_gguf
 
@@ -272,8 +274,9 @@ def quantize_target(model: nn.Module, mode: str, model_arg: str | None) -> dict:
     w = next(model.parameters())
     keeps_blocks = any(_resolve(mode, kind, w.device, w.dtype) != "none" for kind in ("Q4", "Q8_0"))
     gguf = source_gguf(model_arg) if keeps_blocks else None
-    parts = gguf_linear_parts(gguf) if gguf else None
-    summary = quantize_model(model, mode, parts, gguf_head_blocks(gguf) if gguf else None)
+    reader = GGUFReader(gguf) if gguf else None  # parsing the header takes seconds: once
+    parts = gguf_linear_parts(reader) if reader else None
+    summary = quantize_model(model, mode, parts, gguf_head_blocks(reader) if reader else None)
     log.info("decoder-layer linears (--quantization %s): %s", mode, summary)
     _return_freed_heap()
     return summary

@@ -107,13 +107,16 @@ class _WeightOnly(nn.Module):
         self.prefill = PackedLinear(dense.to(dtype), self.bias) if prefill_dense else None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, out] from any 2-D x [M, in]."""
         raise NotImplementedError
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._kernel(x.contiguous())
+        y = self._kernel(x)
         return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
+        if x.dim() == 2 and self.bias is None and (rows is None or self.prefill is None):
+            return self._kernel(x)  # a decode step's shape: a few small ops per call add up over 120 layers
         x2 = x.reshape(-1, self.in_features)
         if rows is None or self.prefill is None:
             y = self._quantized(x2)
@@ -152,7 +155,7 @@ class Int4Linear(_WeightOnly):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None:
             return self.amx.mm(x, self.packed, self.scale_offset)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scale_zero)
 
 
 class Int8Linear(_WeightOnly):
@@ -166,7 +169,7 @@ class Int8Linear(_WeightOnly):
         self._attach(Int8Weight(w.q, self.scale.float()).dequantize(), bias, dtype, prefill_dense)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
 
 
 class Int8Head(nn.Module):

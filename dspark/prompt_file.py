@@ -25,9 +25,9 @@ def prompt_rows(path: str | Path) -> Iterator[tuple[int, dict, str]]:
                 raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg}, column {e.colno})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{line_no}: each line must be a JSON object, got {type(row).__name__}")
-            if "messages" in row:
-                msgs = conversation(row["messages"], f"{path}:{line_no}")
-                yield line_no, row, next(m["content"] for m in msgs if m["role"] == "user")
+            if "messages" in row:  # checked once here; row_messages hands the checked list on
+                row["messages"] = conversation(row["messages"], f"{path}:{line_no}")
+                yield line_no, row, next(m["content"] for m in row["messages"] if m["role"] == "user")
                 continue
             text = row.get("prompt")
             if text is None and isinstance(row.get("turns"), list) and row["turns"]:
@@ -58,5 +58,6 @@ def conversation(messages: object, where: str) -> list[dict]:
 
 
 def row_messages(row: dict, text: str) -> list[dict]:
-    """The chat messages a row asks the model to answer: its conversation, or one user turn."""
-    return conversation(row["messages"], "row") if "messages" in row else [{"role": "user", "content": text}]
+    """The chat messages a row from :func:`prompt_rows` asks the model to answer: its (checked)
+    conversation, or one user turn."""
+    return row["messages"] if "messages" in row else [{"role": "user", "content": text}]

@@ -30,11 +30,15 @@ def best_of(calls: list[tuple[Int4Linear, torch.Tensor]], repeats: int) -> float
 
 
 def layers(kind: str, shapes: list[tuple[int, int]]) -> list[Int4Linear]:
+    before = os.environ.get("DSPARK_CPU_AMX")
     os.environ["DSPARK_CPU_AMX"] = "1" if kind == "amx" else "0"
     try:
         made = [Int4Linear(quantize_int4(torch.randn(n, k) * 0.05), None, torch.bfloat16) for n, k in shapes]
     finally:
-        os.environ.pop("DSPARK_CPU_AMX")
+        if before is None:
+            os.environ.pop("DSPARK_CPU_AMX")
+        else:
+            os.environ["DSPARK_CPU_AMX"] = before
     if kind == "amx" and made[0].amx is None:
         raise SystemExit("no AMX kernel on this machine")
     return made

@@ -9,8 +9,8 @@
 // (int4 in [0, 15], int8 in [-128, 127]) are exact in bf16 and x * q is exact in fp32, so per
 // group of 32 inputs the tile multiply gives S = sum x*q accumulated in fp32 in the hardware's
 // fixed pair order. Each output is then acc += d * S; acc += m * sum(x) over groups in order, with
-// w = d * q + m (fp16 d, m). A row's result depends on its own inputs only; threads split output
-// columns, never a sum.
+// w = d * q + m (fp16 d, m; int8 codes have no offset m, as Q8_0). A row's result depends on its
+// own inputs only; threads split output columns, never a sum.
 
 #include <torch/extension.h>
 
@@ -19,9 +19,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -39,7 +40,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tile 0: A (rows x 32 bf16), tile 1: B (16 pair-rows x 16 columns), tile 2: C (rows x 16 fp32).
+// Tile 0: A (rows x 32 bf16); tiles 1 and 3: B of two column tiles (16 pair-rows x 16 columns);
+// tiles 2 and 4: their C (rows x 16 fp32).
 void configure(int rows) {
   TileConfig cfg;
   cfg.colsb[0] = 64; cfg.rows[0] = rows;
@@ -102,15 +104,16 @@ bool enable() {
   return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
 }
 
-// codes [N, K] (uint8 in [0, 15]: int4; int8: int8), d and m [N, K / 32] ->
-// (packed codes [N/16, G, tile bytes], [N/16, G, 2, 16] fp16 d|m).
-std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+// codes [N, K] (uint8 in [0, 15] with offsets m: int4; int8 without: Q8_0), d and m [N, K / 32]
+// -> (packed codes [N/16, G, tile bytes], fp16 scales [N/16, G, 2 (d|m) or 1 (d), 16]).
+std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
   const bool bytes = q.scalar_type() == at::kChar;
   TORCH_CHECK(q.dim() == 2 && (bytes || q.scalar_type() == at::kByte), "pack: codes must be [N, K] uint8 or int8");
   const int64_t n = q.size(0), k = q.size(1), g = k / kGroup;
   TORCH_CHECK(n % (2 * kCols) == 0 && k % kGroup == 0, "pack: N must divide by 32 and K by 32");
-  TORCH_CHECK(d.sizes() == m.sizes() && d.dim() == 2 && d.size(0) == n && d.size(1) == g,
-              "pack: scales and offsets must be [N, K / 32]");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == n && d.size(1) == g, "pack: scales must be [N, K / 32]");
+  TORCH_CHECK(bytes != m.has_value(), "pack: int4 codes need offsets [N, K / 32], int8 codes take none");
+  TORCH_CHECK(bytes || m->sizes() == d.sizes(), "pack: offsets must be [N, K / 32]");
   auto qc = q.contiguous();
   const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
   auto packed = at::zeros({n / kCols, g, tile_bytes}, q.options());
@@ -129,8 +132,8 @@ std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const at:
           }
         }
     }
-  auto dm = at::stack({d.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}),
-                       m.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1})}, 2).contiguous();
+  auto per_tile = [&](const at::Tensor& v) { return v.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}); };
+  auto dm = bytes ? per_tile(d).unsqueeze(2).contiguous() : at::stack({per_tile(d), per_tile(*m)}, 2).contiguous();
   return {packed, dm};
 }
 
@@ -141,9 +144,10 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
   const int64_t n = packed.size(0) * kCols;
   const bool bytes = packed.scalar_type() == at::kChar;
   const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
+  const int64_t scales = (bytes ? 1 : 2) * kCols;  // fp16 values per (column tile, group): d, and m for int4
   TORCH_CHECK(packed.dim() == 3 && (bytes || packed.scalar_type() == at::kByte) && packed.size(2) == tile_bytes &&
               packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm: not a packed weight");
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == packed.size(0) * packed.size(1) * 2 * kCols,
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == packed.size(0) * packed.size(1) * scales,
               "mm: scales must be the fp16 tensor pack() returned");
   TORCH_CHECK(k % kGroup == 0 && packed.size(1) == g, "mm: x has ", k, " inputs, the weight ", packed.size(1) * kGroup);
   auto y = at::empty({rows, n}, x_in.options());
@@ -153,11 +157,11 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
   const int64_t padded = rows <= 16 ? rows : (rows + 15) / 16 * 16;
   at::Tensor x = x_in.contiguous();
   if (padded != rows) x = at::cat({x, at::zeros({padded - rows, k}, x.options())});
-  // per row and group: sum of x in fp32, in a fixed order
-  auto sx = at::empty({rows, g}, x.options().dtype(at::kFloat));
+  // per row and group: sum of x in fp32, in a fixed order (for the offsets: int4 only)
+  auto sx = at::empty({bytes ? 0 : rows, g}, x.options().dtype(at::kFloat));
   const auto* xp = x.data_ptr<c10::BFloat16>();
   float* sxp = sx.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < (bytes ? 0 : rows); ++r)
     for (int64_t gi = 0; gi < g; ++gi) {
       const auto* p = xp + r * k + gi * kGroup;
       sxp[r * g + gi] = _mm512_reduce_add_ps(_mm512_add_ps(load_bf16(p), load_bf16(p + 16)));
@@ -178,8 +182,8 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
       const uint8_t* wt0 = wp + t * g * tile_bytes;
       const uint8_t* wt1 = wt0 + g * tile_bytes;
-      const uint16_t* dm0 = dmp + t * g * 2 * kCols;
-      const uint16_t* dm1 = dm0 + g * 2 * kCols;
+      const uint16_t* dm0 = dmp + t * g * scales;
+      const uint16_t* dm1 = dm0 + g * scales;
       for (int64_t gi = 0; gi < g; ++gi) {
         for (int64_t line = 0; line < tile_bytes; line += 64) {  // memory-bound at one row: fetch ahead
           _mm_prefetch(reinterpret_cast<const char*>(wt0 + (gi + kAhead) * tile_bytes + line), _MM_HINT_T0);
@@ -194,8 +198,9 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
         }
         _tile_loadd(1, btile[0], 64);
         _tile_loadd(3, btile[1], 64);
-        const __m512 dv0 = half16(dm0 + gi * 2 * kCols), mv0 = half16(dm0 + gi * 2 * kCols + kCols);
-        const __m512 dv1 = half16(dm1 + gi * 2 * kCols), mv1 = half16(dm1 + gi * 2 * kCols + kCols);
+        const __m512 dv0 = half16(dm0 + gi * scales), dv1 = half16(dm1 + gi * scales);
+        const __m512 mv0 = bytes ? dv0 : half16(dm0 + gi * scales + kCols);
+        const __m512 mv1 = bytes ? dv1 : half16(dm1 + gi * scales + kCols);
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
           _tile_loadd(0, xp + r0 * k + gi * kGroup, k * 2);
           _tile_zero(2);
@@ -207,9 +212,13 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
           const int64_t mr = std::min<int64_t>(16, rows - r0);
           __m512* a = acc.data() + 2 * r0;
           for (int64_t i = 0; i < mr; ++i) {
-            const __m512 s = _mm512_set1_ps(sxp[(r0 + i) * g + gi]);
-            a[2 * i] = _mm512_fmadd_ps(mv0, s, _mm512_fmadd_ps(dv0, _mm512_load_ps(ctile[0] + 16 * i), a[2 * i]));
-            a[2 * i + 1] = _mm512_fmadd_ps(mv1, s, _mm512_fmadd_ps(dv1, _mm512_load_ps(ctile[1] + 16 * i), a[2 * i + 1]));
+            a[2 * i] = _mm512_fmadd_ps(dv0, _mm512_load_ps(ctile[0] + 16 * i), a[2 * i]);
+            a[2 * i + 1] = _mm512_fmadd_ps(dv1, _mm512_load_ps(ctile[1] + 16 * i), a[2 * i + 1]);
+            if (!bytes) {
+              const __m512 s = _mm512_set1_ps(sxp[(r0 + i) * g + gi]);
+              a[2 * i] = _mm512_fmadd_ps(mv0, s, a[2 * i]);
+              a[2 * i + 1] = _mm512_fmadd_ps(mv1, s, a[2 * i + 1]);
+            }
           }
         }
       }
@@ -225,6 +234,7 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable", &enable, "request the AMX register state from the kernel");
-  m.def("pack", &pack, "int4 (uint8) or int8 codes and group scales -> the AMX kernel's layout");
+  m.def("pack", &pack, "int4 (uint8) codes with scales and offsets, or int8 codes with scales -> the AMX layout",
+        py::arg("q"), py::arg("d"), py::arg("m") = py::none());
   m.def("mm", &mm, "bf16 rows times a packed int4 or int8 weight");
 }

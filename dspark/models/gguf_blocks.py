@@ -21,18 +21,28 @@ _PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2,
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
+def _block_scale(blocks: np.ndarray) -> np.ndarray:
+    """The fp16 scale that starts every Q4_0/Q4_1/Q8_0 block ([N, G, bytes]) as float32 [N, G]."""
+    return blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 blocks [N, G, 34] -> int8 codes [N, G, 32] and float32 scales [N, G]."""
+    return blocks[..., 2:].copy().view(np.int8), _block_scale(blocks)
+
+
 def gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Weight | Int8Weight:
     """A GGUF Q4_0 / Q4_1 / Q8_0 tensor (raw bytes, [N, bytes per row]) as codes and scales.
     Q4 blocks are kept exactly (w = (q - 8) * d + zero); Q8_0 blocks, whose scale is per 32
     inputs, get one scale per row (exact where a row's blocks share a scale)."""
     n, k = shape
     blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, -1)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
-        return quantize_int8(torch.from_numpy((q * d[..., None]).reshape(n, k)))
+        q, d = _q8_0(blocks)
+        return quantize_int8(torch.from_numpy((q.astype(np.float32) * d[..., None]).reshape(n, k)))
     if kind not in ("Q4_0", "Q4_1"):
         raise ValueError(f"no int4/int8 layout for GGUF type {kind}")
+    d = _block_scale(blocks)
     off = 4 if kind == "Q4_1" else 2
     nib = blocks[..., off:off + 16]
     q = torch.from_numpy(np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.int32).reshape(n, k))
@@ -86,7 +96,5 @@ def gguf_head_blocks(reader) -> tuple[torch.Tensor, torch.Tensor] | None:  # noq
     if t is None or t.tensor_type.name != "Q8_0":
         return None
     n, k = (int(x) for x in reversed(t.shape))
-    blocks = np.ascontiguousarray(np.asarray(t.data)).reshape(n, k // GROUP, -1)
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-    return torch.from_numpy(codes), torch.from_numpy(scale)
+    codes, scale = _q8_0(np.ascontiguousarray(np.asarray(t.data)).reshape(n, k // GROUP, -1))
+    return torch.from_numpy(codes.reshape(n, k)), torch.from_numpy(scale)

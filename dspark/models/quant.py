@@ -23,7 +23,9 @@ stays dense; so does the LM head, except on AMX with quantized layers, where it 
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +79,12 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
     return Int4Weight(q.to(torch.int32).view(n, k), scale, lo + 8 * scale)
 
 
+def _scaled_codes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """w = scale * q + offset per group of 32 (the AMX kernel's form), float32 [N, K]."""
+    n, k = q.shape
+    return (q.float().view(n, k // GROUP, GROUP) * scale[..., None] + offset[..., None]).view(n, k)
+
+
 def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF's Q8_0 scheme: int8 codes [N, K] and an fp16-representable scale per 32 inputs
     [N, K / 32] (float32), w ~ scale * q."""
@@ -99,12 +107,13 @@ class _WeightOnly(nn.Module):
 
     prefill: PackedLinear | None
 
-    def _attach(self, dense: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                prefill_dense: bool) -> None:
-        """dense: the weights the kernel multiplies by, de-quantized (float32)."""
-        self.out_features, self.in_features = dense.shape
+    def _attach(self, shape: torch.Size, bias: torch.Tensor | None, dtype: torch.dtype,
+                dense: Callable[[], torch.Tensor] | None) -> None:
+        """dense: makes the weights the kernel multiplies by, de-quantized (float32), for the
+        prompt rows' copy; None: no copy."""
+        self.out_features, self.in_features = shape
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-        self.prefill = PackedLinear(dense.to(dtype), self.bias) if prefill_dense else None
+        self.prefill = PackedLinear(dense().to(dtype), self.bias) if dense is not None else None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         """[M, out] from any 2-D x [M, in]."""
@@ -115,42 +124,40 @@ class _WeightOnly(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        if x.dim() == 2 and self.bias is None and (rows is None or self.prefill is None):
-            return self._kernel(x)  # a decode step's shape: a few small ops per call add up over 120 layers
-        x2 = x.reshape(-1, self.in_features)
+        # a decode step's 2-D rows go through untouched: a few small ops per call add up over 120 layers
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows is None or self.prefill is None:
             y = self._quantized(x2)
         else:
             y = rows.apply(x2, self.out_features, self._quantized, self.prefill)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
 class Int4Linear(_WeightOnly):
     """Weight-only int4 linear over groups of 32. In bf16 on a CPU with AMX it runs
     ``csrc/quant_amx.cpp`` (w = scale * q + offset with fp16 scales, as GGUF's; one pass over the
     weights serves up to 16 rows at about the cost of one); elsewhere torch's packed CPU kernel,
-    which reads scales and offsets in the activation dtype. prefill_dense keeps a pre-packed dense copy
-    (de-quantized from the same codes and scales) for prompt rows."""
+    which reads scales and offsets in the activation dtype. prefill_dense keeps a pre-packed dense
+    copy (de-quantized from the same codes and scales) for prompt rows."""
 
     def __init__(self, w: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype, prefill_dense: bool = False):
         super().__init__()
-        n, k = w.q.shape
-        self.amx = cpu_ops.amx() if dtype == torch.bfloat16 and n % 32 == 0 and w.q.device.type == "cpu" else None
+        cpu_bf16 = dtype == torch.bfloat16 and w.q.device.type == "cpu"
+        self.amx = cpu_ops.amx() if cpu_bf16 and w.q.shape[0] % 32 == 0 else None
         if self.amx is not None:
             scale = w.scale.half().float()  # a GGUF's own fp16 scales and offsets, exactly
             offset = (w.zero.double() - 8 * w.scale.double()).half().float()
             packed, scale_offset = self.amx.pack(w.q.to(torch.uint8), scale, offset)
             self.register_buffer("packed", packed)
             self.register_buffer("scale_offset", scale_offset)
-            g = w.q.float().view(n, k // GROUP, GROUP)
-            dense = (g * scale[..., None] + offset[..., None]).view(n, k)
+            deq = functools.partial(_scaled_codes, w.q, scale, offset)
         else:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 2))
             # [K / GROUP, N, 2]: the kernel reads scales and offsets in the activation dtype
             sz = torch.stack([w.scale.t(), w.zero.t()], -1).contiguous().to(dtype)
             self.register_buffer("scale_zero", sz)
-            dense = Int4Weight(w.q, sz[..., 0].t().float(), sz[..., 1].t().float()).dequantize()
-        self._attach(dense, bias, dtype, prefill_dense)
+            deq = Int4Weight(w.q, sz[..., 0].t().float(), sz[..., 1].t().float()).dequantize
+        self._attach(w.q.shape, bias, dtype, deq if prefill_dense else None)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None:
@@ -166,7 +173,8 @@ class Int8Linear(_WeightOnly):
         super().__init__()
         self.register_buffer("q", w.q.contiguous())
         self.register_buffer("scale", w.scale.to(dtype))
-        self._attach(Int8Weight(w.q, self.scale.float()).dequantize(), bias, dtype, prefill_dense)
+        deq = Int8Weight(w.q, self.scale.float())
+        self._attach(w.q.shape, bias, dtype, deq.dequantize if prefill_dense else None)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
@@ -181,12 +189,12 @@ class Int8Head(nn.Module):
         super().__init__()
         self.weight = head.weight
         self.amx = amx
-        packed, scale_offset = amx.pack(codes, scale, torch.zeros_like(scale))
+        packed, scale = amx.pack(codes, scale)
         self.register_buffer("packed", packed)
-        self.register_buffer("scale_offset", scale_offset)
+        self.register_buffer("scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.amx.mm(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.scale_offset)
+        y = self.amx.mm(x.reshape(-1, x.shape[-1]), self.packed, self.scale)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 

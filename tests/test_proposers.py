@@ -79,6 +79,25 @@ def test_controller_backs_off_while_drafting_loses_and_recovers():
     assert c.estimated_draft_seconds(2) == pytest.approx(2 * c.draft_seconds[1])
 
 
+def test_controller_resumes_a_pause_when_the_load_falls_to_where_drafting_pays():
+    class ByLoad(Policy):  # drafting pays below 4 requests, loses at 4 and above
+        last_gain = None
+
+        def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0):
+            self.last_gain = 1.5 if len(budgets) < 4 else 0.5
+            return list(budgets)
+
+    c = VerifyLengthController(ByLoad(), SpecStats())
+    for _ in range(2):  # the first pass is not judged; the second loses at 16 requests
+        c.policy.choose([8] * 16, None)
+        c.record_pass(16, 0.01)
+    assert c.skip_steps == c.MIN_BACKOFF and c.lost_at == 16 and c.gain < 1
+    assert c.paused(16, 8) and c.paused(8, 8)  # fewer requests, but drafting still loses there
+    assert c.skip_steps == c.MIN_BACKOFF - 2
+    assert not c.paused(2, 8)  # at 2 requests the policy expects a gain: the pause ends now
+    assert c.skip_steps == 0 and c.backoff == c.MIN_BACKOFF and c.gain == 1.0
+
+
 def test_sibling_trees_hold_the_chain_and_its_alternatives():
     from dspark.engine.proposers.chain_walk import SiblingTree
 

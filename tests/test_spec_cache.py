@@ -168,3 +168,38 @@ def test_paused_drafter_defers_context_writes(folders, fresh, monkeypatch):
                     checked += 1
     assert not engine.has_unfinished() and engine.num_preemptions > 0 and spec.controller.num_draft_passes > 5
     assert deferred >= 6 and checked > 10, (deferred, checked)
+
+
+def test_pause_ended_by_a_falling_load_writes_the_context_first(folders, fresh, monkeypatch):
+    """A pause that ends early (fewer requests than when drafting lost, and the policy expects a
+    gain there) writes the deferred context before the drafter reads it."""
+    from dspark.engine.policy import CostModel
+
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: CostModel([1], [1.0], frozen=True))
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", ngram_assist=0)
+    spec = engine.spec
+
+    def by_load(survival, other_tokens, draft_seconds):  # drafting loses with 2+ requests, pays alone
+        spec.policy.last_gain = 1.5 if len(survival) == 1 else 0.5
+        return [1] * len(survival)
+
+    monkeypatch.setattr(spec.policy, "_admit", by_load)
+    spec.controller.MIN_BACKOFF = spec.controller.backoff = 1000  # only a falling load ends a pause
+    draft = spec.proposer.draft
+    seen = []
+
+    def checked_draft(seqs, budgets):  # whenever the drafter reads, its context is complete
+        assert not spec.proposer.context.pending
+        for s in seqs:
+            check_caches(engine, fresh, s)
+        seen.append(len(seqs))
+        return draft(seqs, budgets)
+
+    monkeypatch.setattr(spec.proposer, "draft", checked_draft)
+    for i, (p, n) in enumerate(zip(alphabet_prompts([31, 33], seed=5), [6, 30])):
+        engine.add_request(f"f{i}", p, SamplingParams(temperature=0.0, max_tokens=n))
+    while engine.has_unfinished():
+        engine.step()
+    # two passes with both requests (the first is not judged), a long pause, then one request
+    # left drafts again at once
+    assert seen[:2] == [2, 2] and seen[2:] and set(seen[2:]) == {1}, seen

@@ -5,7 +5,10 @@ It wraps a verification-length policy (policy.py) and adds what a policy alone c
 measured time of the proposer's own pass, and a back-off. While the load-aware policy finds, on
 a running average, that even its best choice loses to plain decoding once the drafter pass is
 paid for, drafting pauses for a number of steps that doubles on each failed retry (up to
-MAX_BACKOFF), then the proposer is tried again.
+MAX_BACKOFF), then the proposer is tried again. A pause ends early when fewer requests draft than
+when drafting last lost and the policy, fed the running acceptance rates instead of confidences
+and the drafter's measured time, expects drafting to pay at that batch size: so the back-off can
+be long under steady load without keeping a load that fell from speculating.
 """
 
 from __future__ import annotations
@@ -22,20 +25,35 @@ class VerifyLengthController:
     while it loses. ``policy`` may be set after construction (load-aware needs the target's cost
     profile, measured once the engine is complete)."""
 
-    MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA, DRAFT_TIME_EMA = 4, 64, 0.25, 0.2
+    MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA, DRAFT_TIME_EMA = 4, 256, 0.25, 0.2
 
     def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False):
         self.policy, self.stats, self.tree = policy, stats, tree
         self.draft_seconds: dict[int, float] = {}  # EMA of a proposer pass's wall time, by batch size
         self.num_draft_passes = 0
         self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
+        self.lost_at = 0  # drafting requests in the pass that last paused drafting
+        self.expected: dict[int, float] = {}  # batch size -> expected gain, until the next pass
 
-    def paused(self) -> bool:
-        """Whether this step drafts nothing (counts the paused step)."""
-        if self.skip_steps > 0:
-            self.skip_steps -= 1
-            return True
-        return False
+    def paused(self, R: int = 1, width: int = 1) -> bool:
+        """Whether this step, with R requests that could draft up to width tokens, drafts
+        nothing (counts the paused step)."""
+        if self.skip_steps == 0:
+            return False
+        if R < self.lost_at and self.expected_gain(R, width) >= 1.0:
+            self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0  # that average was another load's
+            return False
+        self.skip_steps -= 1
+        return True
+
+    def expected_gain(self, R: int, width: int) -> float:
+        """The policy's best throughput over plain decoding's for R requests whose drafts survive
+        at the running per-position acceptance rates (0 for policies that do not price steps)."""
+        if R not in self.expected:
+            prior = self.acceptance_prior(width).expand(R, width)
+            self.policy.choose([width] * R, prior, 0, self.estimated_draft_seconds(R))
+            self.expected[R] = getattr(self.policy, "last_gain", None) or 0.0
+        return self.expected[R]
 
     def estimated_draft_seconds(self, R: int) -> float:
         """Measured proposer pass time at batch R, from the nearest batch size seen (0 before any)."""
@@ -47,6 +65,7 @@ class VerifyLengthController:
     def record_pass(self, R: int, seconds: float) -> None:
         """A proposer pass over R requests took `seconds`; pause drafting while it loses."""
         self.num_draft_passes += 1
+        self.expected.clear()
         priced = bool(self.draft_seconds)  # the very first choice took the drafter to be free
         old = self.draft_seconds.get(R, seconds)
         self.draft_seconds[R] = old + self.DRAFT_TIME_EMA * (seconds - old)
@@ -55,7 +74,7 @@ class VerifyLengthController:
             return
         self.gain += self.GAIN_EMA * (gain - self.gain)
         if self.gain < 1.0:
-            self.skip_steps = self.backoff
+            self.skip_steps, self.lost_at = self.backoff, R
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
         else:
             self.backoff = self.MIN_BACKOFF

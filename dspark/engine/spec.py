@@ -113,8 +113,10 @@ class SpecRunner:
             drafts = self.proposer.draft(active, budgets)
             return {s.seq_id: Proposal(d.tokens, num_proposed=d.num_proposed) for s, d in zip(active, drafts)}
         other_tokens += len(seqs) - len(active)  # their anchors ride in the pass, as prefill does
-        if self.controller.paused():
+        if self.controller.paused(len(active), max(budgets)):
             return {}
+        if self.proposer.context_pending():  # a pause ended early: its context writes are still queued
+            self.proposer.flush_context()
         t0 = time.perf_counter()
         looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
         neural = [(s, b) for s, b in zip(active, budgets) if s.seq_id not in looked]

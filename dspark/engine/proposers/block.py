@@ -111,3 +111,7 @@ class BlockProposer(Proposer):
 
     def context_pending(self) -> bool:
         return bool(self.context.pending)
+
+    def flush_context(self) -> None:
+        with torch.inference_mode():
+            self.context.flush()

@@ -67,8 +67,10 @@ def test_controller_backs_off_while_drafting_loses_and_recovers():
         last_gain = 0.5
 
     c = VerifyLengthController(Losing(), SpecStats())
-    c.record_pass(1, 0.01)  # the first pass is not judged: the drafter was taken to be free
-    assert not c.paused()
+    c.record_pass(1, 0.5)  # the very first pass (start-up costs) is neither timed nor judged
+    assert not c.draft_seconds and not c.paused()
+    c.record_pass(1, 0.01)  # the first timed pass is not judged: the drafter was taken to be free
+    assert c.draft_seconds == {1: 0.01} and not c.paused()
     c.record_pass(1, 0.01)  # the running gain falls below 1: drafting pauses
     assert c.skip_steps == c.MIN_BACKOFF and c.backoff == 2 * c.MIN_BACKOFF
     assert all(c.paused() for _ in range(c.MIN_BACKOFF)) and not c.paused()
@@ -88,7 +90,7 @@ def test_controller_resumes_a_pause_when_the_load_falls_to_where_drafting_pays()
             return list(budgets)
 
     c = VerifyLengthController(ByLoad(), SpecStats())
-    for _ in range(2):  # the first pass is not judged; the second loses at 16 requests
+    for _ in range(3):  # the first passes are not judged; the third loses at 16 requests
         c.policy.choose([8] * 16, None)
         c.record_pass(16, 0.01)
     assert c.skip_steps == c.MIN_BACKOFF and c.lost_at == 16 and c.gain < 1

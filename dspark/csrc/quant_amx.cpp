@@ -1,16 +1,22 @@
-// Weight-only int4 and int8 matmul on Intel AMX tiles (bf16 activations), for decode and
-// verification rows (int4: the decoder layers; int8: the LM head, as a GGUF's Q8_0 blocks).
+// Weight-only int4 and int8 matmul on Intel AMX tiles, for decode and verification rows (int4: the
+// decoder layers; int8: the LM head, as a GGUF's Q8_0 blocks).
 //
 // Why: torch's int4 CPU kernel works through the weights once per block of 4 rows, so verifying a
 // block of draft tokens costs several decode steps. AMX multiplies a 16-row tile for about the
 // price of one row, so here a pass over the weights costs nearly the same for 1 and 16 rows.
 //
-// Numerics (the same for every row count, so decode and verification agree bit for bit): codes q
-// (int4 in [0, 15], int8 in [-128, 127]) are exact in bf16 and x * q is exact in fp32, so per
-// group of 32 inputs the tile multiply gives S = sum x*q accumulated in fp32 in the hardware's
-// fixed pair order. Each output is then acc += d * S; acc += m * sum(x) over groups in order, with
-// w = d * q + m (fp16 d, m; int8 codes have no offset m, as Q8_0). A row's result depends on its
-// own inputs only; threads split output columns, never a sum.
+// int4 (as llama.cpp runs a Q4_1 file): each row's inputs are quantized to int8 per group of 32
+// (scale dx = max|x| / 127, codes xq = round(x / dx)), and per group the integer dot product
+// S = sum xq * q is exact in int32, whichever instructions compute it: AVX512-VNNI for a few rows
+// (a decode step; codes widened by a mask and a shift, nothing stored), AMX-INT8 tiles for more.
+// Each output then takes acc += S * (d * dx); acc += m * (dx * sum xq) over groups in order, with
+// w = d * q + m (fp16 d, m), so a row's result is the same bits in any batch and either path.
+//
+// int8 head (bf16 activations): codes in [-128, 127] are exact in bf16 and x * q is exact in fp32,
+// so per group the bf16 tile multiply gives sum x*q accumulated in fp32 in the hardware's fixed
+// pair order; each output takes acc += d * S over groups in order.
+//
+// A row's result depends on its own inputs only; threads split output columns, never a sum.
 
 #include <torch/extension.h>
 
@@ -31,6 +37,7 @@ constexpr int kGroup = 32;   // inputs per quantization group = one tile's K (32
 constexpr int kCols = 16;    // output columns per tile
 constexpr int kTileBytes = kCols * kGroup / 2;  // packed nibbles of one (column tile, group)
 constexpr int kAhead = 8;  // groups of weights prefetched ahead
+constexpr int kVnniRows = 8;  // up to this many rows the int4 path takes VNNI, past it AMX-INT8
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -40,40 +47,27 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tile 0: A (rows x 32 bf16); tiles 1 and 3: B of two column tiles (16 pair-rows x 16 columns);
-// tiles 2 and 4: their C (rows x 16 fp32).
-void configure(int rows) {
+// Tile 0: A (rows x a_bytes); tiles 1 and 3: B of two column tiles (b_rows x 64 bytes); tiles 2
+// and 4: their C (rows x 16 fp32 or int32).
+void configure(int rows, int a_bytes, int b_rows) {
   TileConfig cfg;
-  cfg.colsb[0] = 64; cfg.rows[0] = rows;
-  cfg.colsb[1] = 64; cfg.rows[1] = 16;
+  cfg.colsb[0] = a_bytes; cfg.rows[0] = rows;
+  cfg.colsb[1] = 64; cfg.rows[1] = b_rows;
   cfg.colsb[2] = 64; cfg.rows[2] = rows;
-  cfg.colsb[3] = 64; cfg.rows[3] = 16;
+  cfg.colsb[3] = 64; cfg.rows[3] = b_rows;
   cfg.colsb[4] = 64; cfg.rows[4] = rows;
   _tile_loadconfig(&cfg);
 }
 
-// bf16 bit patterns of 0..15, indexed by a code (vpermw reads the low 5 bits of each index).
-__m512i code_table() {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    float f = static_cast<float>(i & 15);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    t[i] = static_cast<uint16_t>(bits >> 16);  // small integers are exact in bf16
-  }
-  return _mm512_load_si512(t);
-}
-
-// 256 packed bytes -> the B tile in AMX's pair layout (row r: k = 2r, 2r + 1 for 16 columns).
-// Each 16-bit word of a 64-byte chunk holds the same word of four consecutive tile rows, one per
-// nibble, so a row is a shift, a mask and a table lookup (no byte widening).
-inline void expand(const uint8_t* src, uint16_t* dst, __m512i table) {
+// 256 packed bytes of one (column tile, group) -> 8 vectors of unsigned codes, vector j holding
+// k = 4j .. 4j + 3 of each of the 16 columns (VNNI's layout, and AMX-INT8's B tile row j). Byte
+// 64c + 4 * column + b keeps k = 8c + b in its low nibble and k = 8c + 4 + b in its high one.
+inline void widen(const uint8_t* src, __m512i* w) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int c = 0; c < 4; ++c) {
     const __m512i b = _mm512_loadu_si512(src + 64 * c);
-    _mm512_store_si512(dst + 128 * c, _mm512_permutexvar_epi16(b, table));
-    _mm512_store_si512(dst + 128 * c + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table));
-    _mm512_store_si512(dst + 128 * c + 64, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), table));
-    _mm512_store_si512(dst + 128 * c + 96, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), table));
+    w[2 * c] = _mm512_and_si512(b, low);
+    w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
   }
 }
 
@@ -94,6 +88,171 @@ inline __m512 half16(const uint16_t* p) {
 inline __m512 load_bf16(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One group's exact dot products into a row's 16 outputs: acc += S * (d * dx); acc += m * (dx * sum xq).
+inline __m512 combine(__m512 acc, __m512i dot, __m512 d, __m512 m, float dx, float cx) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
+  return _mm512_fmadd_ps(m, _mm512_set1_ps(cx), acc);
+}
+
+// Rows of x -> int8 codes per group of 32 (xq [padded rows, K], zero past `rows`), each group's
+// scale dx and dx * sum of its codes.
+void quantize_rows(const c10::BFloat16* x, int64_t rows, int64_t k, int8_t* xq, float* dx, float* cx) {
+  const int64_t g = k / kGroup;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const auto* p = x + r * k + gi * kGroup;
+      const __m512 a = load_bf16(p), b = load_bf16(p + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // to nearest, ties to even
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + gi * kGroup), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + gi * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
+      const float d = amax / 127.0f;
+      dx[r * g + gi] = d;
+      cx[r * g + gi] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+}
+
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
+inline void store_rows(const std::vector<__m512>& acc, int64_t rows, c10::BFloat16* y, int64_t n, int64_t t) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int j = 0; j < 2; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * n + (t + j) * kCols),
+                          (__m256i)_mm512_cvtneps_pbh(acc[2 * i + j]));
+}
+
+// int4 weights, int8 activations (see the header). Column tiles go in pairs: two independent
+// chains per group keep the units busy.
+void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
+             int64_t n, int64_t pairs) {
+  const int64_t k = x.size(1), g = k / kGroup, scales = 2 * kCols;
+  const bool vnni = rows <= kVnniRows;
+  const int64_t padded = vnni || rows <= 16 ? rows : (rows + 15) / 16 * 16;
+  auto xq = at::zeros({padded, k}, x.options().dtype(at::kChar));
+  auto dx = at::empty({rows, g}, x.options().dtype(at::kFloat));
+  auto cx = at::empty({rows, g}, x.options().dtype(at::kFloat));
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  const float* dxp = dx.data_ptr<float>();
+  const float* cxp = cx.data_ptr<float>();
+  quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, xqp, dx.data_ptr<float>(), cx.data_ptr<float>());
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) uint8_t btile[2][8 * 64];
+    alignas(64) int32_t ctile[2][16 * 16];
+    std::vector<__m512> acc(rows * 2);
+    __m512i w[2][8];
+    if (!vnni) configure(static_cast<int>(std::min<int64_t>(rows, 16)), kGroup, 8);
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      const int64_t t = 2 * pr;
+      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+      const uint8_t* wt[2] = {wp + t * g * kTileBytes, wp + (t + 1) * g * kTileBytes};
+      const uint16_t* dm[2] = {dmp + t * g * scales, dmp + (t + 1) * g * scales};
+      for (int64_t gi = 0; gi < g; ++gi) {
+        prefetch(wt[0] + (gi + kAhead) * kTileBytes, kTileBytes);  // memory-bound at one row
+        prefetch(wt[1] + (gi + kAhead) * kTileBytes, kTileBytes);
+        __m512 dv[2], mv[2];
+        for (int j = 0; j < 2; ++j) {
+          widen(wt[j] + gi * kTileBytes, w[j]);
+          dv[j] = half16(dm[j] + gi * scales);
+          mv[j] = half16(dm[j] + gi * scales + kCols);
+        }
+        if (vnni) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const int8_t* xr = xqp + r * k + gi * kGroup;
+            __m512i s[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()},
+                               {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+            for (int q = 0; q < 8; ++q) {  // two chains per column tile: even and odd quads
+              int32_t quad;
+              std::memcpy(&quad, xr + 4 * q, 4);
+              const __m512i xv = _mm512_set1_epi32(quad);
+              s[0][q & 1] = _mm512_dpbusd_epi32(s[0][q & 1], w[0][q], xv);
+              s[1][q & 1] = _mm512_dpbusd_epi32(s[1][q & 1], w[1][q], xv);
+            }
+            const float d = dxp[r * g + gi], c = cxp[r * g + gi];
+            for (int j = 0; j < 2; ++j)
+              acc[2 * r + j] = combine(acc[2 * r + j], _mm512_add_epi32(s[j][0], s[j][1]), dv[j], mv[j], d, c);
+          }
+          continue;
+        }
+        for (int j = 0; j < 2; ++j)
+          for (int q = 0; q < 8; ++q) _mm512_store_si512(btile[j] + 64 * q, w[j][q]);
+        _tile_loadd(1, btile[0], 64);
+        _tile_loadd(3, btile[1], 64);
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+          _tile_loadd(0, xqp + r0 * k + gi * kGroup, k);
+          _tile_zero(2);
+          _tile_zero(4);
+          _tile_dpbsud(2, 0, 1);  // signed activations x unsigned codes
+          _tile_dpbsud(4, 0, 3);
+          _tile_stored(2, ctile[0], 64);
+          _tile_stored(4, ctile[1], 64);
+          const int64_t mr = std::min<int64_t>(16, rows - r0);
+          for (int64_t i = 0; i < mr; ++i) {
+            const int64_t r = r0 + i;
+            const float d = dxp[r * g + gi], c = cxp[r * g + gi];
+            for (int j = 0; j < 2; ++j)
+              acc[2 * r + j] = combine(acc[2 * r + j], _mm512_load_si512(ctile[j] + 16 * i), dv[j], mv[j], d, c);
+          }
+        }
+      }
+      store_rows(acc, rows, yp, n, t);
+    }
+    if (!vnni) _tile_release();
+  });
+}
+
+// int8 weights (Q8_0), bf16 activations (see the header).
+void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
+             int64_t n, int64_t pairs) {
+  const int64_t k = x_in.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
+  // more than one tile of rows: pad to whole tiles (zero rows cost the tile unit nothing per row)
+  const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
+  const int64_t padded = rows <= 16 ? rows : (rows + 15) / 16 * 16;
+  at::Tensor x = x_in;
+  if (padded != rows) x = at::cat({x, at::zeros({padded - rows, k}, x.options())});
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) uint16_t btile[2][16 * 32];
+    alignas(64) float ctile[2][16 * 16];
+    std::vector<__m512> acc(rows * 2);
+    configure(tile_rows, 64, 16);
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      const int64_t t = 2 * pr;
+      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+      const uint8_t* wt[2] = {wp + t * g * tile_bytes, wp + (t + 1) * g * tile_bytes};
+      const uint16_t* dm[2] = {dmp + t * g * kCols, dmp + (t + 1) * g * kCols};
+      for (int64_t gi = 0; gi < g; ++gi) {
+        prefetch(wt[0] + (gi + kAhead) * tile_bytes, tile_bytes);
+        prefetch(wt[1] + (gi + kAhead) * tile_bytes, tile_bytes);
+        expand8(reinterpret_cast<const int8_t*>(wt[0] + gi * tile_bytes), btile[0]);
+        expand8(reinterpret_cast<const int8_t*>(wt[1] + gi * tile_bytes), btile[1]);
+        _tile_loadd(1, btile[0], 64);
+        _tile_loadd(3, btile[1], 64);
+        const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+          _tile_loadd(0, xp + r0 * k + gi * kGroup, k * 2);
+          _tile_zero(2);
+          _tile_zero(4);
+          _tile_dpbf16ps(2, 0, 1);
+          _tile_dpbf16ps(4, 0, 3);
+          _tile_stored(2, ctile[0], 64);
+          _tile_stored(4, ctile[1], 64);
+          const int64_t mr = std::min<int64_t>(16, rows - r0);
+          for (int64_t i = 0; i < mr; ++i)
+            for (int j = 0; j < 2; ++j)
+              acc[2 * (r0 + i) + j] = _mm512_fmadd_ps(dv[j], _mm512_load_ps(ctile[j] + 16 * i), acc[2 * (r0 + i) + j]);
+        }
+      }
+      store_rows(acc, rows, yp, n, t);
+    }
+    _tile_release();
+  });
 }
 
 }  // namespace
@@ -122,13 +281,13 @@ std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std
   for (int64_t t = 0; t < n / kCols; ++t)
     for (int64_t gi = 0; gi < g; ++gi) {
       uint8_t* tile = dst + (t * g + gi) * tile_bytes;
-      for (int r = 0; r < 16; ++r)  // tile row r: k = 2r + (w % 2) of column w / 2
-        for (int w = 0; w < 32; ++w) {
-          const int64_t col = t * kCols + w / 2, kk = gi * kGroup + 2 * r + w % 2;
-          if (bytes) {
-            tile[32 * r + w] = src[col * k + kk];
-          } else {
-            tile[64 * (r / 4) + 2 * w + (r % 4) / 2] |= src[col * k + kk] << (4 * (r % 2));
+      for (int col = 0; col < kCols; ++col)
+        for (int kk = 0; kk < kGroup; ++kk) {
+          const uint8_t code = src[(t * kCols + col) * k + gi * kGroup + kk];
+          if (bytes) {  // bf16 B tile: row kk / 2 holds k = 2r, 2r + 1 of every column
+            tile[32 * (kk / 2) + 2 * col + kk % 2] = code;
+          } else {  // see widen()
+            tile[64 * (kk / 8) + 4 * col + kk % 4] |= code << (4 * ((kk / 4) % 2));
           }
         }
     }
@@ -152,83 +311,15 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
   TORCH_CHECK(k % kGroup == 0 && packed.size(1) == g, "mm: x has ", k, " inputs, the weight ", packed.size(1) * kGroup);
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0) return y;
-  // more than one tile of rows: pad to whole tiles (zero rows cost the tile unit nothing per row)
-  const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
-  const int64_t padded = rows <= 16 ? rows : (rows + 15) / 16 * 16;
-  at::Tensor x = x_in.contiguous();
-  if (padded != rows) x = at::cat({x, at::zeros({padded - rows, k}, x.options())});
-  // per row and group: sum of x in fp32, in a fixed order (for the offsets: int4 only)
-  auto sx = at::empty({bytes ? 0 : rows, g}, x.options().dtype(at::kFloat));
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  float* sxp = sx.data_ptr<float>();
-  for (int64_t r = 0; r < (bytes ? 0 : rows); ++r)
-    for (int64_t gi = 0; gi < g; ++gi) {
-      const auto* p = xp + r * k + gi * kGroup;
-      sxp[r * g + gi] = _mm512_reduce_add_ps(_mm512_add_ps(load_bf16(p), load_bf16(p + 16)));
-    }
+  const at::Tensor x = x_in.contiguous();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
   const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  // Column tiles go in pairs (two independent tile chains per group keep the unit busy); each
-  // group's codes are expanded once and multiplied with every block of 16 rows.
-  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    const __m512i table = code_table();
-    alignas(64) uint16_t btile[2][16 * 32];
-    alignas(64) float ctile[2][16 * 16];
-    std::vector<__m512> acc(rows * 2);
-    configure(tile_rows);
-    for (int64_t pr = p0; pr < p1; ++pr) {
-      const int64_t t = 2 * pr;
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      const uint8_t* wt0 = wp + t * g * tile_bytes;
-      const uint8_t* wt1 = wt0 + g * tile_bytes;
-      const uint16_t* dm0 = dmp + t * g * scales;
-      const uint16_t* dm1 = dm0 + g * scales;
-      for (int64_t gi = 0; gi < g; ++gi) {
-        for (int64_t line = 0; line < tile_bytes; line += 64) {  // memory-bound at one row: fetch ahead
-          _mm_prefetch(reinterpret_cast<const char*>(wt0 + (gi + kAhead) * tile_bytes + line), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(wt1 + (gi + kAhead) * tile_bytes + line), _MM_HINT_T0);
-        }
-        if (bytes) {
-          expand8(reinterpret_cast<const int8_t*>(wt0 + gi * tile_bytes), btile[0]);
-          expand8(reinterpret_cast<const int8_t*>(wt1 + gi * tile_bytes), btile[1]);
-        } else {
-          expand(wt0 + gi * tile_bytes, btile[0], table);
-          expand(wt1 + gi * tile_bytes, btile[1], table);
-        }
-        _tile_loadd(1, btile[0], 64);
-        _tile_loadd(3, btile[1], 64);
-        const __m512 dv0 = half16(dm0 + gi * scales), dv1 = half16(dm1 + gi * scales);
-        const __m512 mv0 = bytes ? dv0 : half16(dm0 + gi * scales + kCols);
-        const __m512 mv1 = bytes ? dv1 : half16(dm1 + gi * scales + kCols);
-        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-          _tile_loadd(0, xp + r0 * k + gi * kGroup, k * 2);
-          _tile_zero(2);
-          _tile_zero(4);
-          _tile_dpbf16ps(2, 0, 1);
-          _tile_dpbf16ps(4, 0, 3);
-          _tile_stored(2, ctile[0], 64);
-          _tile_stored(4, ctile[1], 64);
-          const int64_t mr = std::min<int64_t>(16, rows - r0);
-          __m512* a = acc.data() + 2 * r0;
-          for (int64_t i = 0; i < mr; ++i) {
-            a[2 * i] = _mm512_fmadd_ps(dv0, _mm512_load_ps(ctile[0] + 16 * i), a[2 * i]);
-            a[2 * i + 1] = _mm512_fmadd_ps(dv1, _mm512_load_ps(ctile[1] + 16 * i), a[2 * i + 1]);
-            if (!bytes) {
-              const __m512 s = _mm512_set1_ps(sxp[(r0 + i) * g + gi]);
-              a[2 * i] = _mm512_fmadd_ps(mv0, s, a[2 * i]);
-              a[2 * i + 1] = _mm512_fmadd_ps(mv1, s, a[2 * i + 1]);
-            }
-          }
-        }
-      }
-      for (int64_t i = 0; i < rows; ++i)
-        for (int j = 0; j < 2; ++j)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + i * n + (t + j) * kCols),
-                              (__m256i)_mm512_cvtneps_pbh(acc[2 * i + j]));
-    }
-    _tile_release();
-  });
+  if (bytes) {
+    mm_int8(x, rows, wp, dmp, yp, n, pairs);
+  } else {
+    mm_int4(x, rows, wp, dmp, yp, n, pairs);
+  }
   return y;
 }
 

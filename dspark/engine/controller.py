@@ -66,7 +66,12 @@ class VerifyLengthController:
         """A proposer pass over R requests took `seconds`; pause drafting while it loses."""
         self.num_draft_passes += 1
         self.expected.clear()
-        priced = bool(self.draft_seconds)  # the very first choice took the drafter to be free
+        if self.num_draft_passes == 1:
+            # one-time start-up costs (kernel set-up, first-touch pages) can make the very first
+            # pass several times slower than the rest; averaged in, they would price the drafter
+            # out for many passes, and a paused drafter measures too rarely to recover
+            return
+        priced = bool(self.draft_seconds)  # the first priced choice took the drafter to be free
         old = self.draft_seconds.get(R, seconds)
         self.draft_seconds[R] = old + self.DRAFT_TIME_EMA * (seconds - old)
         gain = getattr(self.policy, "last_gain", None)

@@ -3,8 +3,8 @@
 On CPU a decode step of a small model is mostly per-op overhead: RMS norms computed in several
 float64 ops, rotary in six, attention gathered and padded for SDPA. The extension does each in
 one call with a fixed summation order per row (see the source's header for why that keeps
-speculative output exact). Where the CPU has AMX, ``csrc/quant_amx.cpp`` adds an int4 matmul whose
-cost hardly grows with the number of rows (verification). Each is built once per machine with the
+speculative output exact). Where the CPU has AMX, ``csrc/quant_amx.cpp`` adds int4 and int8 matmuls
+whose cost hardly grows with the number of rows (verification). Each is built once per machine with the
 system C++ compiler into ``<cache dir>/cpu_ops/`` (torch's JIT extension loader; under a minute)
 and reused after. Without a compiler, or with ``DSPARK_CPU_OPS=0``, the model runs its pure-torch
 layers and torch's int4 kernel.
@@ -71,9 +71,10 @@ def _cpu_flags() -> set[str]:
 
 @functools.cache
 def _build_amx():  # noqa: ANN202 - the compiled module
-    if not {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"} <= _cpu_flags():
+    if not {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512bw"} <= _cpu_flags():
         return None
-    mod = _compile("dspark_quant_amx", AMX_SOURCE, [*_ARCH_FLAGS["AVX512"], "-mavx512bf16", "-mamx-tile", "-mamx-bf16"])
+    mod = _compile("dspark_quant_amx", AMX_SOURCE, [*_ARCH_FLAGS["AVX512"], "-mavx512bf16", "-mavx512vnni",
+                                                   "-mamx-tile", "-mamx-bf16", "-mamx-int8"])
     if mod is not None and not mod.enable():
         log.warning("the kernel refused this process the AMX registers; int4 layers use torch's kernel")
         return None
@@ -81,7 +82,8 @@ def _build_amx():  # noqa: ANN202 - the compiled module
 
 
 def amx():  # noqa: ANN201 - the compiled module or None
-    """The int4 kernel on AMX tiles (``csrc/quant_amx.cpp``) where the CPU has AMX-BF16 and neither
+    """The int4/int8 kernels on AMX tiles (``csrc/quant_amx.cpp``) where the CPU has AMX (BF16 and
+    INT8) and AVX512-VNNI, and neither
     ``DSPARK_CPU_OPS=0`` nor ``DSPARK_CPU_AMX=0`` is set; else None."""
     if not enabled() or os.environ.get("DSPARK_CPU_AMX", "1") == "0":
         return None

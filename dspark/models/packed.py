@@ -83,18 +83,19 @@ class PackedHead(nn.Module):
         return self.linear(x)
 
 
-def pack_linears(module: nn.Module, only: tuple[str, ...] | None = None) -> int:
-    """Pre-pack every linear under ``module`` whose weight nobody reads directly (inference only:
-    the packed copy does not follow later weight updates); for a drafter on CPU in bf16/fp16,
-    where its small passes otherwise pay oneDNN's weight reorder on every call. only: just these
-    direct children. Returns the count."""
+def pack_linears(module: nn.Module, only: tuple[str, ...] | None = None,
+                 make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear) -> int:
+    """Swap every linear under ``module`` whose weight nobody reads directly for ``make(weight,
+    bias)``, pre-packed by default (inference only: the copy does not follow later weight
+    updates); for a drafter on CPU in bf16/fp16, where its small passes otherwise pay oneDNN's
+    weight reorder on every call. only: just these direct children. Returns the count."""
     swapped = 0
     for name, child in list(module.named_children()):
         if only is not None and name not in only:
             continue
         if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and cpu_reduced_precision(child.weight):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
+            setattr(module, name, make(child.weight, child.bias))
             swapped += 1
         else:
-            swapped += pack_linears(child)
+            swapped += pack_linears(child, make=make)
     return swapped

@@ -180,22 +180,45 @@ class Int8Linear(_WeightOnly):
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
 
 
-class Int8Head(nn.Module):
-    """The LM head as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles: about
-    half a bf16 head's bytes read per decode step. Still exposes the dense ``weight`` (tied to
-    the embedding, and read by drafters that share the target's head)."""
+class Q8Linear(nn.Module):
+    """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles, bf16 in
+    and out: half a bf16 weight's bytes read per call, at a cost that hardly grows up to 16 rows.
+    Each row's result depends on that row alone."""
 
-    def __init__(self, head: nn.Module, codes: torch.Tensor, scale: torch.Tensor, amx):  # noqa: ANN001
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, amx, bias: torch.Tensor | None = None):  # noqa: ANN001
         super().__init__()
-        self.weight = head.weight
         self.amx = amx
+        self.out_features, self.in_features = codes.shape
         packed, scale = amx.pack(codes, scale)
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         y = self.amx.mm(x.reshape(-1, x.shape[-1]), self.packed, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Int8Head(Q8Linear):
+    """The LM head as a :class:`Q8Linear`. Still exposes the dense ``weight`` (tied to the
+    embedding, and read by drafters that share the target's head)."""
+
+    def __init__(self, head: nn.Module, codes: torch.Tensor, scale: torch.Tensor, amx):  # noqa: ANN001
+        super().__init__(codes, scale, amx)
+        self.weight = head.weight
+
+
+def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """The fastest inference linear for a drafter's dense weight on CPU in bf16/fp16: Q8_0 on AMX
+    where the shapes allow (drafts need no bit-exactness, and Q8_0 barely moves a weight), else a
+    pre-packed dense one."""
+    amx = cpu_ops.amx() if weight.dtype == torch.bfloat16 else None
+    n, k = weight.shape
+    if amx is None or n % 32 or k % GROUP or (bias is not None and bias.dtype != weight.dtype):
+        return PackedLinear(weight, bias)
+    return Q8Linear(*quantize_q8_0(weight.detach()), amx, bias)
 
 
 # --------------------------------------------------------------------------- applying a mode

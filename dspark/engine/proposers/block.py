@@ -17,6 +17,7 @@ from dspark.engine.structured import TreeConstraint
 from dspark.engine.tree import build_trees
 from dspark.models.drafters.checkpoint import load_drafter
 from dspark.models.packed import pack_linears
+from dspark.models.quant import draft_linear
 
 
 class BlockProposer(Proposer):
@@ -28,8 +29,9 @@ class BlockProposer(Proposer):
         self.cfg, self.target = cfg, target
         # frozen: the engine never trains it, and frozen heads keep float32 copies (MarkovHead)
         self.drafter = load_drafter(path, target.model, target.dtype, target.device).requires_grad_(False)
-        pack_linears(self.drafter.layers)  # the backbone's projections; the heads' weights are read directly
-        pack_linears(self.drafter, only=("fc",))
+        # the backbone's projections; the heads' weights are read directly
+        pack_linears(self.drafter.layers, make=draft_linear)
+        pack_linears(self.drafter, only=("fc",), make=draft_linear)
         dc = self.drafter.config
         self.name = dc.kind
         if cfg.block_size is not None and cfg.block_size > dc.num_drafts:

@@ -20,7 +20,7 @@ from torch import nn
 from dspark.models.fused import decoder_forward, kernels_for
 from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, cpu_reduced_precision
 from dspark.models.llama import LlamaConfig
-from dspark.models.packed import PackedLinear
+from dspark.models.quant import draft_linear
 
 
 @dataclass
@@ -193,9 +193,9 @@ class BlockDrafter(nn.Module):
         w = self._head_weight()
         if self.draft_to_target is None or torch.is_grad_enabled() or not cpu_reduced_precision(w):
             return F.linear(h, w).float()
-        # inference on CPU in bf16/fp16: the rows pre-packed once (aten::mm re-lays them every call)
+        # inference on CPU in bf16/fp16: the rows packed once (aten::mm re-lays them every call)
         if self._packed_head is None or self._packed_head[0] is not w:
-            self._packed_head = (w, PackedLinear(w, None))
+            self._packed_head = (w, draft_linear(w))
         return self._packed_head[1](h).float()
 
     def to_target_vocab(self, logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:

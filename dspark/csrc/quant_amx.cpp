@@ -135,13 +135,20 @@ void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_
   const int64_t k = x.size(1), g = k / kGroup, scales = 2 * kCols;
   const bool vnni = rows <= kVnniRows;
   const int64_t padded = vnni || rows <= 16 ? rows : (rows + 15) / 16 * 16;
-  auto xq = at::zeros({padded, k}, x.options().dtype(at::kChar));
-  auto dx = at::empty({rows, g}, x.options().dtype(at::kFloat));
-  auto cx = at::empty({rows, g}, x.options().dtype(at::kFloat));
-  int8_t* xqp = xq.data_ptr<int8_t>();
-  const float* dxp = dx.data_ptr<float>();
-  const float* cxp = cx.data_ptr<float>();
-  quantize_rows(x.data_ptr<c10::BFloat16>(), rows, k, xqp, dx.data_ptr<float>(), cx.data_ptr<float>());
+  // the calling thread's scratch, reused across calls: three tensor allocations per linear cost
+  // as much as a small layer's arithmetic at one row
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> scale_buf;
+  xq_buf.resize(padded * k);
+  scale_buf.resize(2 * rows * g);
+  int8_t* xqp = xq_buf.data();
+  float* dxp = scale_buf.data();
+  float* cxp = dxp + rows * g;
+  std::memset(xqp + rows * k, 0, (padded - rows) * k);  // padding rows multiply as zeros
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp + r0 * k, r1 - r0, k, xqp + r0 * k, dxp + r0 * g, cxp + r0 * g);
+  });
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) uint8_t btile[2][8 * 64];
     alignas(64) int32_t ctile[2][16 * 16];

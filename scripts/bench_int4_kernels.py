@@ -58,7 +58,7 @@ def main() -> None:
     print("all 120 linears of the model, cold (ms)")
     for kind in ("amx", "torch"):
         lins = layers(kind, model)
-        for m in (1, 4, 9, 16):
+        for m in (1, 4, 9, 16, 32, 144):
             xs = {k: torch.randn(m, k).bfloat16() for k in (576, 1536)}
             ms = best_of([(lin, xs[lin.in_features]) for lin in lins], 10) * 1e3
             print(f"  {kind:5s} M={m:<3d} {ms:6.2f}")

@@ -167,3 +167,29 @@ def test_fused_drafter_block_matches_the_modules(folders, monkeypatch):
         with torch.inference_mode():
             outs.append(proposer._block_pass([seq]))
     _close(outs[0], outs[1], 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mapped", [True, False], ids=["reduced-vocab", "full-vocab"])
+def test_markov_walk_matches_the_slot_by_slot_walk(dtype, mapped):
+    """The fused greedy walk of a drafter's Markov head picks what add_bias + argmax pick slot by
+    slot (each slot's previous token through the reduced-vocabulary map), and refuses bad input."""
+    from dspark.models.drafters.dspark import MarkovHead
+
+    torch.manual_seed(0)
+    vd = 300 if mapped else 500
+    mh = MarkovHead(500, 32, vd).to(dtype).requires_grad_(False)
+    base, anchors = torch.randn(3, 8, vd), torch.tensor([1, 499, 42])
+    to_target = torch.randperm(500)[:vd] if mapped else None
+    prev, want = anchors, []
+    for k in range(8):
+        pick = mh.add_bias(base[:, k], prev).argmax(-1)
+        prev = to_target[pick] if mapped else pick
+        want.append(prev)
+    assert torch.equal(mh.greedy_walk(base, anchors, to_target), torch.stack(want, 1))
+    assert mh.requires_grad_(True).greedy_walk(base, anchors, to_target) is None  # training: slot by slot
+    w2t = torch.zeros(32, vd)
+    with pytest.raises(RuntimeError, match="outside W1"):
+        ops.markov_walk(base, mh.markov_w1.weight.detach(), w2t, torch.tensor([1, 500, 2]), torch.empty(0).long())
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.markov_walk(base.bfloat16(), mh.markov_w1.weight.detach(), w2t, anchors, torch.empty(0).long())

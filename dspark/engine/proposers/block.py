@@ -81,15 +81,23 @@ class BlockProposer(Proposer):
         # greedy walks the (reduced) draft vocabulary; sampled drafts need q over the target's
         base = self.drafter.head(h) if walk.samples_in_target_vocab else self.drafter.draft_logits(h)
         prev = torch.tensor([s.output_ids[-1] for s in active], device=dev)
-        prevs = []
-        try:
-            for k in range(dc.num_drafts):
-                prevs.append(prev)
-                prev = walk.pick(self.drafter.step_logits(base[:, k], prev))
-        except BaseException:
-            walk.abandon()  # the matchers go back to their requests' committed state
-            raise
-        conf = self.drafter.confidence(h, torch.stack(prevs, 1))
+        mh, fused = self.drafter.markov_head, None
+        if mh is not None and walk.greedy and walk.constraint is None:
+            fused = mh.greedy_walk(base, prev, self.drafter.draft_to_target)
+        if fused is not None:
+            walk.take(fused)
+            prevs = torch.cat([prev[:, None], fused[:, :-1]], 1)
+        else:
+            prevs = []
+            try:
+                for k in range(dc.num_drafts):
+                    prevs.append(prev)
+                    prev = walk.pick(self.drafter.step_logits(base[:, k], prev))
+            except BaseException:
+                walk.abandon()  # the matchers go back to their requests' committed state
+                raise
+            prevs = torch.stack(prevs, 1)
+        conf = self.drafter.confidence(h, prevs)
         return walk.drafts(torch.sigmoid(conf).float().cpu() if conf is not None else None, dc.num_drafts)
 
     def _draft_trees(self, active: list[Sequence], budgets: list[int], h: torch.Tensor) -> list[Draft]:

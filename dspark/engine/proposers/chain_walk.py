@@ -81,6 +81,12 @@ class ChainWalk:
             self.constraint.advance(tok, k)
         return tok
 
+    def take(self, tokens: torch.Tensor) -> None:
+        """Every position at once ([R, steps] target ids), picked greedily by a fused walk; only for
+        greedy batches without grammars, which keep no draft probabilities."""
+        assert self.greedy and self.constraint is None and not self.draft_confidence
+        self.tokens = list(tokens.unbind(1))
+
     def drafts(self, confidence: torch.Tensor | None = None, num_proposed: int | None = None) -> list[Draft]:
         """One Draft per request from the positions picked so far; confidence [R, steps] replaces
         the draft probabilities as survival estimates. Rolls the grammars back."""

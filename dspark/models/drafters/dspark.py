@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models import cpu_ops
 from dspark.models.fused import decoder_forward, kernels_for
 from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, cpu_reduced_precision
 from dspark.models.llama import LlamaConfig
@@ -125,11 +126,28 @@ class MarkovHead(nn.Module):
         w = self.markov_w2.weight
         if w.requires_grad:
             return base + self(prev).float()
+        e = self.markov_w1(prev).float()
+        w2t = self._frozen_w2t()
+        return torch.addmm(base, e, w2t) if e.dim() == 2 else base + e @ w2t
+
+    def _frozen_w2t(self) -> torch.Tensor:
+        w = self.markov_w2.weight
         key = (w.data_ptr(), w.dtype, w.device)
         if self._w2t is None or self._w2t[0] != key:
             self._w2t = (key, w.detach().float().t().contiguous())
-        e = self.markov_w1(prev).float()
-        return torch.addmm(base, e, self._w2t[1]) if e.dim() == 2 else base + e @ self._w2t[1]
+        return self._w2t[1]
+
+    def greedy_walk(self, base: torch.Tensor, anchors: torch.Tensor,
+                    to_target: torch.Tensor | None) -> torch.Tensor | None:
+        """Target ids [R, K] of the greedy walk over float logits base [R, K, V] (W2's vocabulary)
+        from the anchors [R], in one call of the fused CPU kernel; None where it does not run
+        (training, another device, no kernels): walk slot by slot with add_bias instead."""
+        ops = cpu_ops.for_tensor(base)
+        if ops is None or self.markov_w2.weight.requires_grad or base.dtype != torch.float32:
+            return None
+        empty = torch.empty(0, dtype=torch.long)
+        return ops.markov_walk(base.contiguous(), self.markov_w1.weight.contiguous(), self._frozen_w2t(),
+                               anchors.contiguous(), empty if to_target is None else to_target.contiguous())
 
 
 class ConfidenceHead(nn.Module):

@@ -73,8 +73,8 @@ def test_controller_backs_off_while_drafting_loses_and_recovers():
     assert c.draft_seconds == {1: 0.01} and not c.paused()
     c.record_pass(1, 0.01)  # the running gain falls below 1: drafting pauses
     assert c.skip_steps == c.MIN_BACKOFF and c.backoff == 2 * c.MIN_BACKOFF
+    c.policy.last_gain = 3.0  # expected to pay again: the pause runs out and the proposer is tried
     assert all(c.paused() for _ in range(c.MIN_BACKOFF)) and not c.paused()
-    c.policy.last_gain = 3.0
     for _ in range(4):
         c.record_pass(1, 0.01)
     assert c.gain > 1 and c.backoff == c.MIN_BACKOFF
@@ -98,6 +98,25 @@ def test_controller_resumes_a_pause_when_the_load_falls_to_where_drafting_pays()
     assert c.skip_steps == c.MIN_BACKOFF - 2
     assert not c.paused(2, 8)  # at 2 requests the policy expects a gain: the pause ends now
     assert c.skip_steps == 0 and c.backoff == c.MIN_BACKOFF and c.gain == 1.0
+
+
+def test_controller_extends_a_pause_without_probing_while_drafting_is_expected_to_lose():
+    class Losing(Policy):
+        last_gain = 0.5  # every pass loses, and so does every expectation
+
+    c = VerifyLengthController(Losing(), SpecStats())
+    for _ in range(3):
+        c.record_pass(16, 0.01)
+    steps, probes = 0, 0
+    while probes == 0:  # only the pause steps count until the first real probe
+        if c.paused(16, 8):
+            steps += 1
+        else:
+            probes += 1
+    # every pause ran out expecting a loss and doubled, 4 + 8 + ... + 128 steps, until the back-off
+    # reached its longest: then a real probe
+    assert steps == sum(c.MIN_BACKOFF * 2 ** i for i in range(6))
+    assert c.backoff == c.MAX_BACKOFF and c.num_draft_passes == 3
 
 
 def test_sibling_trees_hold_the_chain_and_its_alternatives():

@@ -5,10 +5,12 @@ It wraps a verification-length policy (policy.py) and adds what a policy alone c
 measured time of the proposer's own pass, and a back-off. While the load-aware policy finds, on
 a running average, that even its best choice loses to plain decoding once the drafter pass is
 paid for, drafting pauses for a number of steps that doubles on each failed retry (up to
-MAX_BACKOFF), then the proposer is tried again. A pause ends early when fewer requests draft than
-when drafting last lost and the policy, fed the running acceptance rates instead of confidences
-and the drafter's measured time, expects drafting to pay at that batch size: so the back-off can
-be long under steady load without keeping a load that fell from speculating.
+MAX_BACKOFF), then the proposer is tried again. The policy, fed the running acceptance rates
+instead of confidences and the drafter's measured time, also gives an expected gain without a
+pass: where it is below 1 when a pause runs out, the pause doubles without a probe pass (until
+MAX_BACKOFF, then a real probe); where it is 1 or more and fewer requests draft than when
+drafting last lost, the pause ends at once. So the back-off can be long under steady load without
+keeping a load that fell from speculating.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class VerifyLengthController:
             self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0  # that average was another load's
             return False
         self.skip_steps -= 1
+        if self.skip_steps == 0 and self.backoff < self.MAX_BACKOFF and self.expected_gain(R, width) < 1.0:
+            # even the running acceptance rates say drafting loses at this load: pause again, twice
+            # as long, without paying for a probe pass (a real probe at least every MAX_BACKOFF
+            # steps keeps those rates current)
+            self.skip_steps = self.backoff
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
         return True
 
     def expected_gain(self, R: int, width: int) -> float:

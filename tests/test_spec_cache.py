@@ -185,17 +185,17 @@ def test_pause_ended_by_a_falling_load_writes_the_context_first(folders, fresh, 
 
     monkeypatch.setattr(spec.policy, "_admit", by_load)
     spec.controller.MIN_BACKOFF = spec.controller.backoff = 1000  # only a falling load ends a pause
-    draft = spec.proposer.draft
+    block_pass = spec.proposer._block_pass
     seen = []
 
-    def checked_draft(seqs, budgets):  # whenever the drafter reads, its context is complete
+    def checked_pass(seqs):  # whenever the drafter reads, its context is complete
         assert not spec.proposer.context.pending
         for s in seqs:
             check_caches(engine, fresh, s)
         seen.append(len(seqs))
-        return draft(seqs, budgets)
+        return block_pass(seqs)
 
-    monkeypatch.setattr(spec.proposer, "draft", checked_draft)
+    monkeypatch.setattr(spec.proposer, "_block_pass", checked_pass)
     for i, (p, n) in enumerate(zip(alphabet_prompts([31, 33], seed=5), [6, 30])):
         engine.add_request(f"f{i}", p, SamplingParams(temperature=0.0, max_tokens=n))
     while engine.has_unfinished():

@@ -35,7 +35,7 @@ class VerifyLengthController:
         self.num_draft_passes = 0
         self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
         self.lost_at = 0  # drafting requests in the pass that last paused drafting
-        self.expected: dict[int, float] = {}  # batch size -> expected gain, until the next pass
+        self.expected: dict[tuple[int, int], float] = {}  # (requests, width) -> expected gain, until the next pass
 
     def paused(self, R: int = 1, width: int = 1) -> bool:
         """Whether this step, with R requests that could draft up to width tokens, drafts
@@ -57,11 +57,11 @@ class VerifyLengthController:
     def expected_gain(self, R: int, width: int) -> float:
         """The policy's best throughput over plain decoding's for R requests whose drafts survive
         at the running per-position acceptance rates (0 for policies that do not price steps)."""
-        if R not in self.expected:
+        if (R, width) not in self.expected:
             prior = self.acceptance_prior(width).expand(R, width)
             self.policy.choose([width] * R, prior, 0, self.estimated_draft_seconds(R))
-            self.expected[R] = getattr(self.policy, "last_gain", None) or 0.0
-        return self.expected[R]
+            self.expected[R, width] = getattr(self.policy, "last_gain", None) or 0.0
+        return self.expected[R, width]
 
     def estimated_draft_seconds(self, R: int) -> float:
         """Measured proposer pass time at batch R, from the nearest batch size seen (0 before any)."""

@@ -14,7 +14,8 @@ class DrafterContext:
     While drafting is paused nothing reads the drafter's context, so the K/V of the positions
     committed meanwhile wait and go in one batched write once the pause ends: a write of a few
     rows per step costs ~4% of a small CPU step, most of it per-call overhead. Every step that may
-    draft next flushes, so no drafter pass sees a stale context."""
+    draft next flushes, and a proposer flushes before it reads (a pause may end early), so no
+    drafter pass sees a stale context."""
 
     MAX_PENDING_ROWS = 8192  # past this, write anyway (bounded memory under a flood of prefills)
 

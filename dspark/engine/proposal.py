@@ -104,9 +104,6 @@ class Proposer:
     def release(self, seq_id: int) -> None:
         """seq_id finished or was preempted: drop what is kept for it."""
 
-    def flush_context(self) -> None:
-        """Write every committed position still waiting into the proposer's cache."""
-
     def context_pending(self) -> bool:
         """Whether committed positions still wait to enter the proposer's cache."""
         return False

@@ -115,8 +115,6 @@ class SpecRunner:
         other_tokens += len(seqs) - len(active)  # their anchors ride in the pass, as prefill does
         if self.controller.paused(len(active), max(budgets)):
             return {}
-        if self.proposer.context_pending():  # a pause ended early: its context writes are still queued
-            self.proposer.flush_context()
         t0 = time.perf_counter()
         looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
         neural = [(s, b) for s, b in zip(active, budgets) if s.seq_id not in looked]

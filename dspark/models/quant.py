@@ -180,25 +180,21 @@ class Int8Linear(_WeightOnly):
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
 
 
-class Q8Linear(nn.Module):
+class Q8Linear(_WeightOnly):
     """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles, bf16 in
     and out: half a bf16 weight's bytes read per call, at a cost that hardly grows up to 16 rows.
-    Each row's result depends on that row alone."""
+    Each row's result depends on that row alone, so prompt rows need no dense copy."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, amx, bias: torch.Tensor | None = None):  # noqa: ANN001
         super().__init__()
         self.amx = amx
-        self.out_features, self.in_features = codes.shape
         packed, scale = amx.pack(codes, scale)
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._attach(codes.shape, bias, torch.bfloat16, None)
 
-    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
-        y = self.amx.mm(x.reshape(-1, x.shape[-1]), self.packed, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self.amx.mm(x, self.packed, self.scale)
 
 
 class Int8Head(Q8Linear):
@@ -216,7 +212,7 @@ def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.M
     pre-packed dense one."""
     amx = cpu_ops.amx() if weight.dtype == torch.bfloat16 else None
     n, k = weight.shape
-    if amx is None or n % 32 or k % GROUP or (bias is not None and bias.dtype != weight.dtype):
+    if amx is None or n % 32 or k % GROUP:
         return PackedLinear(weight, bias)
     return Q8Linear(*quantize_q8_0(weight.detach()), amx, bias)
 

@@ -51,6 +51,7 @@ class BlockProposer(Proposer):
 
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
         with torch.inference_mode():
+            self.context.flush()  # a pause that ended early leaves its context writes queued
             h = self._block_pass(seqs)
             if self.cfg.tree:
                 return self._draft_trees(seqs, budgets, h)
@@ -121,7 +122,3 @@ class BlockProposer(Proposer):
 
     def context_pending(self) -> bool:
         return bool(self.context.pending)
-
-    def flush_context(self) -> None:
-        with torch.inference_mode():
-            self.context.flush()

@@ -63,14 +63,11 @@ class Eagle3Proposer(Proposer):
     def context_pending(self) -> bool:
         return bool(self.context.pending)
 
-    def flush_context(self) -> None:
-        with torch.inference_mode():
-            self.context.flush()
-
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
         dev = self.target.device
         walk, budgets = open_walk(self.cfg, seqs, budgets, self.target.model.config.vocab_size, self.to_target, dev)
         with torch.inference_mode():
+            self.context.flush()  # a pause that ended early leaves its context writes queued
             starts = []
             for s in seqs:
                 pos, _ = self.last.get(s.seq_id, (None, None))

@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/step_costs.py [--num-prompts 4] [--max-tokens 128] [--spec-policy fixed]
         [--drafter none] [--ngram-assist 0] [--ngram-assist-max-len 8] [--category tools,code]
+        [--block-size 2] [--prompts docs/bench/everyday_chat.jsonl]
 
 Greedy generation on the first dev prompts (of the given categories) with the default model and
 drafter, timers wrapped around the engine's and the drafter's methods (nested: the drafter's parts
@@ -49,10 +50,11 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="drafter folder, 'ngram' or 'none' (default: the shipped one)")
     ap.add_argument("--ngram-assist", type=int, default=2, help="0: the drafter alone")
     ap.add_argument("--ngram-assist-max-len", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=None, help="draft tokens a step (default: the drafter's)")
     ap.add_argument("--category", default=None, help="comma-separated dev categories (default: all)")
     args = ap.parse_args()
     llm = LLM(drafter=args.drafter, policy=args.spec_policy, ngram_assist=args.ngram_assist,
-              ngram_assist_max_len=args.ngram_assist_max_len)
+              ngram_assist_max_len=args.ngram_assist_max_len, block_size=args.block_size)
     engine, spec = llm.engine, llm.engine.spec
     totals: dict[str, float] = collections.defaultdict(float)
     counts: collections.Counter = collections.Counter()
@@ -70,11 +72,12 @@ def main() -> None:
 
     engine.runner.forward = sized
     if spec.name == "dspark":
-        for name, label in (("propose", "propose"), ("block_forward", "  block forward"), ("commit", "commit")):
+        for name, label in (("propose", "propose"), ("commit", "commit")):
             timed(totals, counts, spec, name, label)
+        timed(totals, counts, spec.proposer, "block_forward", "  block forward")
         for name, label in (("draft_logits", "  draft logits"), ("step_logits", "  Markov steps"),
                             ("confidence", "  confidence"), ("write_context", "  context K/V write")):
-            timed(totals, counts, spec.drafter, name, label)
+            timed(totals, counts, spec.proposer.drafter, name, label)
     rows = [json.loads(line) for line in open(args.prompts, encoding="utf-8")]
     if args.category:
         rows = [r for r in rows if r.get("category") in args.category.split(",")]

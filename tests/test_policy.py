@@ -265,3 +265,32 @@ def test_cost_profile_fits_a_small_kv_cache(folders, tmp_path, monkeypatch):
     engine.pool = pool
     out = run_requests(engine, [(alphabet_prompts([20])[0], SamplingParams(temperature=0, max_tokens=12), None)])[0]
     assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("probe_ms, remeasured", [((6.5, 10.0), False), ((6.0, 10.6), False),
+                                                   ((6.0, 4.0), True), ((72.0, 10.0), True)])
+def test_a_cached_cost_profile_a_fresh_probe_disagrees_with_is_measured_again(probe_ms, remeasured, tmp_path,
+                                                                               monkeypatch):
+    """A profile taken while the machine was busy (a compiler in the background) would price
+    every later start's passes wrongly: a quick probe of 1 and 8 tokens checks it on each load."""
+    import json
+
+    from dspark.engine import profile
+
+    monkeypatch.setattr(profile, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(profile, "_key", lambda engine: "k")
+    calls = []
+
+    def measure(engine, ladder=profile.LADDER, repeats=3):
+        calls.append(list(ladder))
+        if ladder == [1, 8]:
+            return CostModel([1, 8], [ms / 1e3 for ms in probe_ms])
+        return CostModel([1, 2, 8], [0.005, 0.006, 0.009])
+
+    monkeypatch.setattr(profile, "measure", measure)
+    (tmp_path / "cost-k.json").write_text(json.dumps({"tokens": [1, 2, 8], "seconds": [0.0062, 0.0063, 0.0104]}))
+    cost = profile.load_or_measure(None)
+    assert calls == ([[1, 8], profile.LADDER] if remeasured else [[1, 8]])
+    assert cost.seconds == ([0.005, 0.006, 0.009] if remeasured else [0.0062, 0.0063, 0.0104])
+    stored = json.loads((tmp_path / "cost-k.json").read_text())["seconds"]
+    assert stored == cost.seconds

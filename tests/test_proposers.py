@@ -62,6 +62,17 @@ def test_controller_cuts_chains_by_policy_and_budget():
     assert [p.tokens for p in thresh.choose(drafts, [4, 2], 0, 0.0)] == [[1, 2], [5, 6]]
 
 
+def test_acceptance_prior_is_conditional_so_its_product_is_the_running_survival():
+    stats = SpecStats()
+    for accepted in [0] * 400 + [1] * 200 + [2] * 100 + [3] * 100:  # survival 1/2, 1/4, 1/8
+        stats.record(proposed=3, verified=3, accepted=accepted, committed=accepted + 1)
+    c = VerifyLengthController(Policy(), stats)
+    prior = c.acceptance_prior(5)
+    assert prior[:3].tolist() == pytest.approx([0.5, 0.5, 0.5], abs=0.01)
+    assert prior.cumprod(0)[:3].tolist() == pytest.approx([0.5, 0.25, 0.125], abs=0.01)
+    assert prior[3:].tolist() == [0.5, 0.5]  # no verification reached these yet
+
+
 def test_controller_backs_off_while_drafting_loses_and_recovers():
     class Losing(Policy):
         last_gain = 0.5
@@ -79,6 +90,17 @@ def test_controller_backs_off_while_drafting_loses_and_recovers():
         c.record_pass(1, 0.01)
     assert c.gain > 1 and c.backoff == c.MIN_BACKOFF
     assert c.estimated_draft_seconds(2) == pytest.approx(2 * c.draft_seconds[1])
+
+
+def test_drafter_pass_time_falls_faster_than_it_rises():
+    c = VerifyLengthController(Policy(), SpecStats())
+    c.record_pass(1, 0.5)  # start-up: not timed
+    c.record_pass(1, 0.008)  # the second pass may still carry set-up costs
+    for _ in range(3):
+        c.record_pass(1, 0.002)
+    assert c.draft_seconds[1] < 0.003  # 0.008 -> 0.005 -> 0.0035 -> 0.00275
+    c.record_pass(1, 0.012)  # one slow pass (a busy machine) moves it a fifth of the way
+    assert c.draft_seconds[1] == pytest.approx(0.00275 + 0.2 * (0.012 - 0.00275))
 
 
 def test_controller_resumes_a_pause_when_the_load_falls_to_where_drafting_pays():

@@ -27,7 +27,10 @@ class VerifyLengthController:
     while it loses. ``policy`` may be set after construction (load-aware needs the target's cost
     profile, measured once the engine is complete)."""
 
-    MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA, DRAFT_TIME_EMA = 4, 256, 0.25, 0.2
+    MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA = 4, 256, 0.25
+    # a pass faster than the running time moves it more than a slower one: a shared machine's noise
+    # and the first passes' set-up only ever add time (as the target's CostModel, it errs cheap)
+    DRAFT_TIME_EMA, DRAFT_TIME_EMA_DOWN = 0.2, 0.5
 
     def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False):
         self.policy, self.stats, self.tree = policy, stats, tree
@@ -81,7 +84,8 @@ class VerifyLengthController:
             return
         priced = bool(self.draft_seconds)  # the first priced choice took the drafter to be free
         old = self.draft_seconds.get(R, seconds)
-        self.draft_seconds[R] = old + self.DRAFT_TIME_EMA * (seconds - old)
+        rate = self.DRAFT_TIME_EMA_DOWN if seconds < old else self.DRAFT_TIME_EMA
+        self.draft_seconds[R] = old + rate * (seconds - old)
         gain = getattr(self.policy, "last_gain", None)
         if gain is None or not priced:
             return
@@ -125,7 +129,12 @@ class VerifyLengthController:
         return [d.cut(n) for d, n in zip(drafts, sizes)]
 
     def acceptance_prior(self, width: int) -> torch.Tensor:
-        """[width]: each position's running acceptance rate, for drafts without confidences."""
+        """[width]: each position's running chance of acceptance given the one before it, for
+        drafts without confidences (the policies take the running product as survival, as they
+        do a confidence head's). The counters hold survival itself, a position's acceptances over
+        its verifications, which depend on every earlier position too: each is divided by the
+        one before, or the product would count the earlier positions' rejections twice."""
         st = self.stats
-        rates = [(a + 1) / (v + 2) for a, v in zip(st.accepted_per_pos, st.verified_per_pos)]
+        survival = [(a + 1) / (v + 2) for a, v in zip(st.accepted_per_pos, st.verified_per_pos)]
+        rates = [min(1.0, s / p) for s, p in zip(survival, [1.0] + survival)]
         return torch.tensor((rates + [0.5] * width)[:width])

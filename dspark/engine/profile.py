@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 
 import torch
@@ -14,6 +15,8 @@ from dspark.engine.policy import CostModel
 from dspark.engine.sequence import Sequence
 from dspark.models import cpu_ops
 from dspark.models.loader import cache_dir
+
+log = logging.getLogger(__name__)
 
 # Token counts profiled. Besides powers of two, each side of 4, 8 and 16 rows: torch's CPU int4
 # kernel works in blocks of 4 rows, so 5 rows cost what 8 do, and a straight line from 4 to 8
@@ -76,14 +79,42 @@ def measure(engine, ladder: list[int] = LADDER, repeats: int = 3) -> CostModel:
     return CostModel(list(ladder), seconds)
 
 
+# Token counts a cached profile is checked at on every start, and how far (either way) a fresh
+# measurement of them may lie from it before the whole profile is measured again.
+CHECK, CHECK_RATIO = (1, 8), 1.5
+
+
+def stale(cost: CostModel, probe: CostModel) -> bool:
+    """Whether a fresh probe of a few token counts says the cached profile was taken on another
+    machine state: one compiling in the background while it was measured prices every pass
+    several times too dearly, for every later start (learning in a run is not kept)."""
+    for n, s in zip(probe.tokens, probe.seconds):
+        if n in cost.tokens:
+            ratio = s / cost.seconds[cost.tokens.index(n)]
+            if not 1 / CHECK_RATIO <= ratio <= CHECK_RATIO:
+                return True
+    return False
+
+
 def load_or_measure(engine) -> CostModel:
-    """The cached profile for this model and machine, measuring it the first time."""
+    """The cached profile for this model and machine, measuring it the first time, and again when
+    a quick probe finds it stale."""
     path = cache_dir() / f"cost-{_key(engine)}.json"
     try:
         d = json.loads(path.read_text())
-        return CostModel(d["tokens"], d["seconds"])
+        cost = CostModel(d["tokens"], d["seconds"])
     except (OSError, ValueError, KeyError, TypeError):
-        pass  # absent or unreadable: measure again
+        cost = None  # absent or unreadable: measure again
+    checks = [n for n in CHECK if cost is not None and n in cost.tokens]
+    if checks:
+        probe = measure(engine, checks, repeats=2)
+        if not stale(cost, probe):
+            return cost
+        log.info("the cached cost profile %s is stale (ms at %s tokens: %s now, %s cached); measuring again",
+                 path.name, checks, [round(s * 1e3, 2) for s in probe.seconds],
+                 [round(cost.seconds[cost.tokens.index(n)] * 1e3, 2) for n in checks])
+    elif cost is not None:
+        return cost
     cost = measure(engine)
     path.parent.mkdir(parents=True, exist_ok=True)
     # written whole or not at all: a server stopped while it loads exits mid-load

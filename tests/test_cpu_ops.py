@@ -193,3 +193,22 @@ def test_markov_walk_matches_the_slot_by_slot_walk(dtype, mapped):
         ops.markov_walk(base, mh.markov_w1.weight.detach(), w2t, torch.tensor([1, 500, 2]), torch.empty(0).long())
     with pytest.raises(RuntimeError, match="float32"):
         ops.markov_walk(base.bfloat16(), mh.markov_w1.weight.detach(), w2t, anchors, torch.empty(0).long())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("V", [16, 300, 4096])
+def test_markov_walk_takes_the_first_of_equal_maxima(V, threads):
+    """Ties go to the lowest index, as torch's argmax: whether the maxima share a vector lane, sit
+    in different lanes, one lies past the last whole vector, or (two threads splitting a slot's
+    columns) in different threads' parts."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    w1, w2t = torch.zeros(V, 4), torch.zeros(4, V)
+    base = torch.zeros(1, 4, V)
+    for k, ties in enumerate([[V - 1, 5, 3], [17 % V, 1, V - 1], [V - 2, V - 1], [0, V // 2]]):
+        base[0, k, ties] = 1.0
+    try:
+        got = ops.markov_walk(base, w1, w2t, torch.tensor([0]), torch.empty(0).long())
+    finally:
+        torch.set_num_threads(old)
+    assert got.tolist() == [[3, 1, V - 2, 0]]

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -414,6 +415,47 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 // maximum, prev = to_target[pick] (the anchor before slot 0). base [R, K, V] float32, W1 [vocab,
 // rank], W2t [rank, V] float32, anchors [R] int64, to_target [V] int64 (empty: identity). Returns
 // target ids [R, K]. Doing the K steps here saves ~10 torch calls per slot.
+// argmax over v of base[v] + sum_j e[j] * wt[j, v] (the first index among equal maxima, as torch's
+// argmax), each sum taken from base in j order by one fused multiply-add per j, so the logits are
+// the bits an axpy per j would leave; 16 columns at a time stay in a register through every j
+// instead of the whole row passing through memory once per j.
+// Over columns [v0, v1) of rows V wide; returns (max, its index), index v1 when the range is empty.
+inline std::pair<float, int64_t> biased_argmax(const float* base, const float* e, const float* wt, int64_t rank,
+                                               int64_t V, int64_t v0, int64_t v1) {
+  int64_t v = v0, best = v1;
+  float top = -std::numeric_limits<float>::infinity();
+  bool any = false;
+#if defined(__AVX512F__)
+  if (v1 - v0 >= kLanes) {
+    __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512i maxi = _mm512_set1_epi32(static_cast<int32_t>(v0));
+    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(v0)),
+                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i step = _mm512_set1_epi32(kLanes);
+    for (; v + kLanes <= v1; v += kLanes) {
+      __m512 acc = _mm512_loadu_ps(base + v);
+      for (int64_t j = 0; j < rank; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), _mm512_loadu_ps(wt + j * V + v), acc);
+      const __mmask16 gt = _mm512_cmp_ps_mask(acc, maxv, _CMP_GT_OQ);  // strict: a lane keeps its first
+      maxv = _mm512_mask_blend_ps(gt, maxv, acc);
+      maxi = _mm512_mask_blend_epi32(gt, maxi, idx);
+      idx = _mm512_add_epi32(idx, step);
+    }
+    alignas(64) float mv[kLanes];
+    alignas(64) int32_t mi[kLanes];
+    _mm512_store_ps(mv, maxv);
+    _mm512_store_si512(mi, maxi);
+    for (int l = 0; l < kLanes; ++l)
+      if (!any || mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l], any = true;
+  }
+#endif
+  for (; v < v1; ++v) {
+    float x = base[v];
+    for (int64_t j = 0; j < rank; ++j) x = std::fma(e[j], wt[j * V + v], x);
+    if (!any || x > top) top = x, best = v, any = true;
+  }
+  return {top, best};
+}
+
 at::Tensor markov_walk(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& anchors,
                        const at::Tensor& to_target) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat && base.is_contiguous(),
@@ -436,21 +478,40 @@ at::Tensor markov_walk(const at::Tensor& base, const at::Tensor& w1, const at::T
   dispatch(w1.scalar_type(), "markov_walk", [&](auto tag) {
     using T = decltype(tag);
     const T* w1p = w1.data_ptr<T>();
-    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<float> logits(V);
-      for (int64_t r = r0; r < r1; ++r) {
-        int64_t prev = ap[r];
-        for (int64_t k = 0; k < K; ++k) {
-          TORCH_CHECK(prev >= 0 && prev < vocab, "markov_walk: token ", prev, " outside W1");
-          std::copy(bp + (r * K + k) * V, bp + (r * K + k + 1) * V, logits.begin());
-          for (int64_t j = 0; j < rank; ++j) axpy(f32(w1p[prev * rank + j]), wt + j * V, logits.data(), V);
-          int64_t best = 0;
-          for (int64_t v = 1; v < V; ++v)
-            if (logits[v] > logits[best]) best = v;
-          prev = mapped ? tp[best] : best;
-          op[r * K + k] = prev;
-        }
+    // fewer rows than threads (batch 1): each slot's columns split over the threads, the parts'
+    // maxima combined in column order (the first of equal maxima still wins); else a row per thread
+    const int64_t threads = at::get_num_threads();
+    const int64_t parts = R < threads ? std::min<int64_t>(threads, V / 1024 + 1) : 1;
+    const int64_t span = (V / parts + kLanes - 1) / kLanes * kLanes;
+    auto pick = [&](const float* b, const float* e) -> int64_t {
+      if (parts == 1) return biased_argmax(b, e, wt, rank, V, 0, V).second;
+      std::vector<std::pair<float, int64_t>> found(parts);
+      at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+          found[p] = biased_argmax(b, e, wt, rank, V, std::min(V, p * span), std::min(V, (p + 1) * span));
+      });
+      auto best = found[0];
+      for (const auto& f : found)
+        if (f.second < V && (best.second >= V || f.first > best.first)) best = f;
+      return best.second;
+    };
+    auto walk = [&](int64_t r) {
+      std::vector<float> e(rank);
+      int64_t prev = ap[r];
+      for (int64_t k = 0; k < K; ++k) {
+        TORCH_CHECK(prev >= 0 && prev < vocab, "markov_walk: token ", prev, " outside W1");
+        for (int64_t j = 0; j < rank; ++j) e[j] = f32(w1p[prev * rank + j]);
+        const int64_t best = pick(bp + (r * K + k) * V, e.data());
+        prev = mapped ? tp[best] : best;
+        op[r * K + k] = prev;
       }
+    };
+    if (parts > 1) {
+      for (int64_t r = 0; r < R; ++r) walk(r);
+      return;
+    }
+    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) walk(r);
     });
   });
   return out;

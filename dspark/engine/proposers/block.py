@@ -30,6 +30,7 @@ class BlockProposer(Proposer):
         # frozen: the engine never trains it, and frozen heads keep float32 copies (MarkovHead)
         self.drafter = load_drafter(path, target.model, target.dtype, target.device).requires_grad_(False)
         # the backbone's projections; the heads' weights are read directly
+        self.drafter.pack_context_kv(draft_linear)
         pack_linears(self.drafter.layers, make=draft_linear)
         pack_linears(self.drafter, only=("fc",), make=draft_linear)
         dc = self.drafter.config

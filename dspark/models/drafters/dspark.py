@@ -19,7 +19,7 @@ from torch import nn
 
 from dspark.models import cpu_ops
 from dspark.models.fused import decoder_forward, kernels_for
-from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, cpu_reduced_precision
+from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary, cpu_reduced_precision
 from dspark.models.llama import LlamaConfig
 from dspark.models.quant import draft_linear
 
@@ -106,6 +106,15 @@ class DrafterConfig:
         return d
 
 
+def _inference_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """norm(x), through the fused CPU kernel outside autograd (one call instead of six torch ops;
+    drafts need no bit-equality with the torch norm)."""
+    ops = None if torch.is_grad_enabled() else cpu_ops.for_tensor(x)
+    if ops is None or norm.weight.dtype != x.dtype:
+        return norm(x)
+    return ops.rms_norm(x.reshape(-1, x.shape[-1]), norm.weight, norm.eps).view(x.shape)
+
+
 class MarkovHead(nn.Module):
     """Low-rank bigram bias: logits_k += W2(W1[x_{k-1}]). W1 reads any target token (the anchor
     may lie outside a reduced draft vocabulary); W2 writes the draft vocabulary."""
@@ -188,6 +197,7 @@ class BlockDrafter(nn.Module):
         self.confidence_head = ConfidenceHead(conf_in) if c.confidence_head else None
         # the target's embedding and head, kept in a tuple so they are not registered as ours
         self._shared: tuple[nn.Module, nn.Module] | None = None
+        self._context_kv: tuple[nn.Module] | None = None  # every layer's context k/v rows (pack_context_kv)
 
     def attach(self, target) -> None:
         """Share the target's embedding and LM head where the checkpoint has none."""
@@ -229,14 +239,37 @@ class BlockDrafter(nn.Module):
 
     def context(self, feats: torch.Tensor) -> torch.Tensor:
         """Fused context features from the target's concatenated layer outputs."""
-        return self.hidden_norm(self.fc(feats))
+        return _inference_norm(self.hidden_norm, self.fc(feats))
+
+    def pack_context_kv(self, make) -> None:  # noqa: ANN001 - make: (weight, bias) -> an inference linear
+        """Every layer's k and v rows of its fused qkv weight as one inference linear (before the
+        layers' own projections are packed): a step's context write is then one product over the
+        weights it needs instead of a qkv projection per layer, q rows included."""
+        ws, bs = [], []
+        for layer in self.layers:
+            a = layer.self_attn
+            nq = a.nh * a.hd
+            ws.append(a.qkv_proj.weight[nq:])
+            bs.append(None if a.qkv_proj.bias is None else a.qkv_proj.bias[nq:])
+        bias = None if bs[0] is None else torch.cat(bs).detach()
+        # a tuple: an inference copy, kept out of the module's parameters and state dict
+        self._context_kv = (make(torch.cat(ws).detach(), bias),)
 
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv) -> None:
         """Project new context positions into every layer's cached K/V."""
         ctx = self.context(feats)
         cos, sin = self.rotary(positions, ctx.dtype)
+        packed = None if torch.is_grad_enabled() else self._context_kv
+        if packed is not None:
+            a = self.layers[0].self_attn
+            kvs = packed[0](ctx).view(ctx.shape[0], len(self.layers), 2, a.nkv, a.hd)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.kv(ctx, cos, sin)
+            if packed is None:
+                k, v = layer.self_attn.kv(ctx, cos, sin)
+            else:
+                k, v = kvs[:, i, 0], kvs[:, i, 1]
+                norm = layer.self_attn.k_norm
+                k = apply_rotary(k if norm is None else _inference_norm(norm, k), cos, sin)
             kv.k[i].index_copy_(0, slots, k)
             kv.v[i].index_copy_(0, slots, v)
 

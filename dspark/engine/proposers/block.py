@@ -31,6 +31,7 @@ class BlockProposer(Proposer):
         self.drafter = load_drafter(path, target.model, target.dtype, target.device).requires_grad_(False)
         # the backbone's projections; the heads' weights are read directly
         self.drafter.pack_context_kv(draft_linear)
+        self.drafter.use_kernel_norms()
         pack_linears(self.drafter.layers, make=draft_linear)
         pack_linears(self.drafter, only=("fc",), make=draft_linear)
         dc = self.drafter.config

@@ -106,13 +106,15 @@ class DrafterConfig:
         return d
 
 
-def _inference_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """norm(x), through the fused CPU kernel outside autograd (one call instead of six torch ops;
-    drafts need no bit-equality with the torch norm)."""
-    ops = None if torch.is_grad_enabled() else cpu_ops.for_tensor(x)
-    if ops is None or norm.weight.dtype != x.dtype:
-        return norm(x)
-    return ops.rms_norm(x.reshape(-1, x.shape[-1]), norm.weight, norm.eps).view(x.shape)
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm through the fused CPU kernel outside autograd (one call instead of six torch ops),
+    for a drafter at inference: drafts need no bit-equality with the torch norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = None if torch.is_grad_enabled() else cpu_ops.for_tensor(x)
+        if ops is None or self.weight.dtype != x.dtype:
+            return super().forward(x)
+        return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
 class MarkovHead(nn.Module):
@@ -239,7 +241,7 @@ class BlockDrafter(nn.Module):
 
     def context(self, feats: torch.Tensor) -> torch.Tensor:
         """Fused context features from the target's concatenated layer outputs."""
-        return _inference_norm(self.hidden_norm, self.fc(feats))
+        return self.hidden_norm(self.fc(feats))
 
     def pack_context_kv(self, make) -> None:  # noqa: ANN001 - make: (weight, bias) -> an inference linear
         """Every layer's k and v rows of its fused qkv weight as one inference linear (before the
@@ -255,6 +257,20 @@ class BlockDrafter(nn.Module):
         # a tuple: an inference copy, kept out of the module's parameters and state dict
         self._context_kv = (make(torch.cat(ws).detach(), bias),)
 
+    def use_kernel_norms(self) -> None:
+        """The context norm and the layers' q/k norms as KernelRMSNorm, same weights (inference)."""
+        def kernel(norm: RMSNorm | None) -> RMSNorm | None:
+            if norm is None:
+                return None
+            k = KernelRMSNorm(norm.weight.shape[0], norm.eps)
+            k.weight = norm.weight
+            return k
+
+        self.hidden_norm = kernel(self.hidden_norm)
+        for layer in self.layers:
+            a = layer.self_attn
+            a.q_norm, a.k_norm = kernel(a.q_norm), kernel(a.k_norm)
+
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv) -> None:
         """Project new context positions into every layer's cached K/V."""
         ctx = self.context(feats)
@@ -269,7 +285,7 @@ class BlockDrafter(nn.Module):
             else:
                 k, v = kvs[:, i, 0], kvs[:, i, 1]
                 norm = layer.self_attn.k_norm
-                k = apply_rotary(k if norm is None else _inference_norm(norm, k), cos, sin)
+                k = apply_rotary(k if norm is None else norm(k), cos, sin)
             kv.k[i].index_copy_(0, slots, k)
             kv.v[i].index_copy_(0, slots, v)
 

@@ -410,16 +410,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 }  // namespace
 
-// A drafter's greedy walk of its low-rank Markov head over a block (drafts only: no bit-exactness
-// asked). For each request r and slot k: logits = base[r, k] + W2t^T W1[prev], pick = the first
-// maximum, prev = to_target[pick] (the anchor before slot 0). base [R, K, V] float32, W1 [vocab,
-// rank], W2t [rank, V] float32, anchors [R] int64, to_target [V] int64 (empty: identity). Returns
-// target ids [R, K]. Doing the K steps here saves ~10 torch calls per slot.
-// argmax over v of base[v] + sum_j e[j] * wt[j, v] (the first index among equal maxima, as torch's
-// argmax), each sum taken from base in j order by one fused multiply-add per j, so the logits are
-// the bits an axpy per j would leave; 16 columns at a time stay in a register through every j
-// instead of the whole row passing through memory once per j.
-// Over columns [v0, v1) of rows V wide; returns (max, its index), index v1 when the range is empty.
+// (max, argmax) over columns [v0, v1) of base[v] + sum_j e[j] * wt[j, v] (rows V wide; the first
+// index among equal maxima, as torch's argmax; index v1 for an empty range). Each sum is taken from
+// base in j order by one fused multiply-add per j, the bits an axpy per j would leave, but 16
+// columns at a time stay in a register through every j instead of the row passing through memory
+// once per j.
 inline std::pair<float, int64_t> biased_argmax(const float* base, const float* e, const float* wt, int64_t rank,
                                                int64_t V, int64_t v0, int64_t v1) {
   int64_t v = v0, best = v1;
@@ -456,6 +451,11 @@ inline std::pair<float, int64_t> biased_argmax(const float* base, const float* e
   return {top, best};
 }
 
+// A drafter's greedy walk of its low-rank Markov head over a block (drafts only: no bit-exactness
+// asked). For each request r and slot k: logits = base[r, k] + W2t^T W1[prev], pick = the first
+// maximum, prev = to_target[pick] (the anchor before slot 0). base [R, K, V] float32, W1 [vocab,
+// rank], W2t [rank, V] float32, anchors [R] int64, to_target [V] int64 (empty: identity). Returns
+// target ids [R, K]. Doing the K steps here saves ~10 torch calls per slot.
 at::Tensor markov_walk(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& anchors,
                        const at::Tensor& to_target) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat && base.is_contiguous(),

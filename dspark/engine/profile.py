@@ -105,16 +105,14 @@ def load_or_measure(engine) -> CostModel:
         cost = CostModel(d["tokens"], d["seconds"])
     except (OSError, ValueError, KeyError, TypeError):
         cost = None  # absent or unreadable: measure again
-    checks = [n for n in CHECK if cost is not None and n in cost.tokens]
-    if checks:
-        probe = measure(engine, checks, repeats=2)
-        if not stale(cost, probe):
+    if cost is not None:
+        checks = [n for n in CHECK if n in cost.tokens]
+        probe = measure(engine, checks, repeats=2) if checks else None
+        if probe is None or not stale(cost, probe):
             return cost
         log.info("the cached cost profile %s is stale (ms at %s tokens: %s now, %s cached); measuring again",
                  path.name, checks, [round(s * 1e3, 2) for s in probe.seconds],
                  [round(cost.seconds[cost.tokens.index(n)] * 1e3, 2) for n in checks])
-    elif cost is not None:
-        return cost
     cost = measure(engine)
     path.parent.mkdir(parents=True, exist_ok=True)
     # written whole or not at all: a server stopped while it loads exits mid-load

@@ -137,14 +137,20 @@ class Attention(nn.Module):
         w = getattr(self.qkv_proj, "weight", None)
         if w is None:
             _, k, v = self.project(x)
-        else:
-            b = self.qkv_proj.bias
-            nq = self.nh * self.hd
-            k, v = F.linear(x, w[nq:], None if b is None else b[nq:]).split(self.nkv * self.hd, -1)
-            lead = x.shape[:-1]
-            k, v = k.reshape(*lead, self.nkv, self.hd), v.reshape(*lead, self.nkv, self.hd)
-            if self.k_norm is not None:
-                k = self.k_norm(k)
+            return apply_rotary(k, cos, sin), v
+        b = self.qkv_proj.bias
+        nq = self.nh * self.hd
+        return self.rotated_kv(F.linear(x, w[nq:], None if b is None else b[nq:]), cos, sin)
+
+    def rotated_kv(self, kv_rows: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k and v outputs of the fused projection [..., 2 * nkv * hd] -> rotated (k normed
+        where the config says) k and v [..., nkv, hd]."""
+        k, v = kv_rows.split(self.nkv * self.hd, -1)
+        lead = kv_rows.shape[:-1]
+        k, v = k.reshape(*lead, self.nkv, self.hd), v.reshape(*lead, self.nkv, self.hd)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         return apply_rotary(k, cos, sin), v
 
     def forward(self, x, cos, sin, attn, k_cache, v_cache, rows=None):

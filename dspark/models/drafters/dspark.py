@@ -19,7 +19,7 @@ from torch import nn
 
 from dspark.models import cpu_ops
 from dspark.models.fused import decoder_forward, kernels_for
-from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary, cpu_reduced_precision
+from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, cpu_reduced_precision
 from dspark.models.llama import LlamaConfig
 from dspark.models.quant import draft_linear
 
@@ -276,16 +276,12 @@ class BlockDrafter(nn.Module):
         ctx = self.context(feats)
         cos, sin = self.rotary(positions, ctx.dtype)
         packed = None if torch.is_grad_enabled() else self._context_kv
-        if packed is not None:
+        if packed is not None:  # every layer's k/v rows from one product
             a = self.layers[0].self_attn
-            kvs = packed[0](ctx).view(ctx.shape[0], len(self.layers), 2, a.nkv, a.hd)
+            rows = packed[0](ctx).split(2 * a.nkv * a.hd, -1)
         for i, layer in enumerate(self.layers):
-            if packed is None:
-                k, v = layer.self_attn.kv(ctx, cos, sin)
-            else:
-                k, v = kvs[:, i, 0], kvs[:, i, 1]
-                norm = layer.self_attn.k_norm
-                k = apply_rotary(k if norm is None else norm(k), cos, sin)
+            a = layer.self_attn
+            k, v = a.kv(ctx, cos, sin) if packed is None else a.rotated_kv(rows[i], cos, sin)
             kv.k[i].index_copy_(0, slots, k)
             kv.v[i].index_copy_(0, slots, v)
 

@@ -7,7 +7,7 @@
 // is what keeps speculative output equal to plain output. Work is split across threads only
 // between rows and heads, never inside a sum.
 
-#include <torch/extension.h>
+#include "ops.h"
 
 #include <ATen/Parallel.h>
 
@@ -20,7 +20,7 @@
 #include <limits>
 #include <vector>
 
-namespace {
+namespace dspark::cpu {
 
 constexpr int kLanes = 16;
 
@@ -408,8 +408,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-}  // namespace
-
 // (max, argmax) over columns [v0, v1) of base[v] + sum_j e[j] * wt[j, v] (rows V wide; the first
 // index among equal maxima, as torch's argmax; index v1 for an empty range). Each sum is taken from
 // base in j order by one fused multiply-add per j, the bits an axpy per j would leave, but 16
@@ -517,11 +515,4 @@ at::Tensor markov_walk(const at::Tensor& base, const at::Tensor& w1, const at::T
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("markov_walk", &markov_walk, "a drafter's greedy Markov-head walk over a block");
-  m.def("rms_norm", &rms_norm, "RMS norm of rows");
-  m.def("add_rms_norm", &add_rms_norm, "residual add, then RMS norm");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate/up output");
-  m.def("rope_store", &rope_store, "rotary on q and k in place; k and v into the paged caches");
-  m.def("attend", &attend, "masked attention over paged keys, one fixed order per row");
-}
+}  // namespace dspark::cpu

@@ -18,7 +18,7 @@
 //
 // A row's result depends on its own inputs only; threads split output columns, never a sum.
 
-#include <torch/extension.h>
+#include "ops.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,7 +31,7 @@
 #include <optional>
 #include <vector>
 
-namespace {
+namespace dspark::amx {
 
 constexpr int kGroup = 32;   // inputs per quantization group = one tile's K (32 bf16)
 constexpr int kCols = 16;    // output columns per tile
@@ -56,6 +56,9 @@ void configure(int rows, int a_bytes, int b_rows) {
   cfg.colsb[2] = 64; cfg.rows[2] = rows;
   cfg.colsb[3] = 64; cfg.rows[3] = b_rows;
   cfg.colsb[4] = 64; cfg.rows[4] = rows;
+  // GCC does not count ldtilecfg as reading cfg, and drops the stores above once configure is
+  // compiled on its own; the barrier keeps them
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
@@ -262,8 +265,6 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
   });
 }
 
-}  // namespace
-
 // Ask Linux for the AMX register state (once per process; threads inherit it). False if refused.
 bool enable() {
   constexpr long kReqPerm = 0x1023, kXtileData = 18;
@@ -330,9 +331,4 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("enable", &enable, "request the AMX register state from the kernel");
-  m.def("pack", &pack, "int4 (uint8) codes with scales and offsets, or int8 codes with scales -> the AMX layout",
-        py::arg("q"), py::arg("d"), py::arg("m") = py::none());
-  m.def("mm", &mm, "bf16 rows times a packed int4 or int8 weight");
-}
+}  // namespace dspark::amx

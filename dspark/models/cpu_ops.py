@@ -1,13 +1,14 @@
-"""The fused CPU kernels of ``dspark/csrc/cpu_ops.cpp``, compiled on first use.
+"""The fused CPU kernels of ``dspark/csrc/``, compiled on first use.
 
 On CPU a decode step of a small model is mostly per-op overhead: RMS norms computed in several
-float64 ops, rotary in six, attention gathered and padded for SDPA. The extension does each in
+float64 ops, rotary in six, attention gathered and padded for SDPA. ``cpu_ops.cpp`` does each in
 one call with a fixed summation order per row (see the source's header for why that keeps
-speculative output exact). Where the CPU has AMX, ``csrc/quant_amx.cpp`` adds int4 and int8 matmuls
-whose cost hardly grows with the number of rows (verification). Each is built once per machine with the
-system C++ compiler into ``<cache dir>/cpu_ops/`` (torch's JIT extension loader; under a minute)
-and reused after. Without a compiler, or with ``DSPARK_CPU_OPS=0``, the model runs its pure-torch
-layers and torch's int4 kernel.
+speculative output exact). Where the CPU has AMX, the same library also holds ``quant_amx.cpp``'s
+int4 and int8 matmuls, whose cost hardly grows with the number of rows (verification), and
+``decode_stack.cpp``, which runs a whole decoder stack's pass in one call. The library is built
+once per machine with the system C++ compiler into ``<cache dir>/cpu_ops/`` (torch's JIT
+extension loader; about a minute) and reused after. Without a compiler, or with
+``DSPARK_CPU_OPS=0``, the model runs its pure-torch layers and torch's int4 kernel.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
-AMX_SOURCE = SOURCE.with_name("quant_amx.cpp")
+CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [CSRC / "module.cpp", CSRC / "cpu_ops.cpp"]
+AMX_SOURCES = [*SOURCES, CSRC / "quant_amx.cpp", CSRC / "decode_stack.cpp"]
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
                "AVX2": ["-mavx2", "-mfma"]}
 
@@ -32,7 +34,7 @@ def enabled() -> bool:
     return os.environ.get("DSPARK_CPU_OPS", "1") != "0"
 
 
-def _compile(name: str, source: pathlib.Path, flags: list[str]):  # noqa: ANN202 - the compiled module
+def _compile(name: str, sources: list[pathlib.Path], flags: list[str]):  # noqa: ANN202 - the compiled module
     from torch.utils import cpp_extension
 
     from dspark.models.loader import cache_dir
@@ -40,24 +42,28 @@ def _compile(name: str, source: pathlib.Path, flags: list[str]):  # noqa: ANN202
     build = cache_dir() / "cpu_ops" / f"torch{torch.__version__.split('+')[0]}"
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob(f"{name}*.so")):
-        log.info("building %s into %s (once per machine and torch version)", source.name, build)
+        log.info("building %s into %s (once per machine and torch version)", name, build)
     try:
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
+        return cpp_extension.load(name=name, sources=[str(s) for s in sources],
+                                  extra_cflags=["-O3", "-fopenmp", *flags], extra_include_paths=[str(CSRC)],
                                   extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: fall back, say why
-        log.warning("%s unavailable (%s); torch's own kernels run instead", source.name, e)
+        log.warning("%s unavailable (%s); torch's own kernels run instead", name, e)
         return None
 
 
 @functools.cache
 def _build():  # noqa: ANN202 - the compiled module
     cap = torch.backends.cpu.get_cpu_capability()
-    return _compile(f"dspark_cpu_ops_{cap.lower()}", SOURCE, _ARCH_FLAGS.get(cap, []))
+    return _compile(f"dspark_cpu_ops_{cap.lower()}", SOURCES, _ARCH_FLAGS.get(cap, []))
 
 
 def load():  # noqa: ANN201 - the compiled module or None
-    """The compiled kernels, or None when disabled or when they cannot be built here."""
-    return _build() if enabled() else None
+    """The compiled kernels (the AMX build where :func:`amx` has one, so that every caller runs
+    the same code), or None when disabled or when they cannot be built here."""
+    if not enabled():
+        return None
+    return amx() or _build()
 
 
 def _cpu_flags() -> set[str]:
@@ -73,8 +79,8 @@ def _cpu_flags() -> set[str]:
 def _build_amx():  # noqa: ANN202 - the compiled module
     if not {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512bw"} <= _cpu_flags():
         return None
-    mod = _compile("dspark_quant_amx", AMX_SOURCE, [*_ARCH_FLAGS["AVX512"], "-mavx512bf16", "-mavx512vnni",
-                                                   "-mamx-tile", "-mamx-bf16", "-mamx-int8"])
+    mod = _compile("dspark_cpu_ops_amx", AMX_SOURCES, [*_ARCH_FLAGS["AVX512"], "-mavx512bf16", "-mavx512vnni",
+                                                       "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DDSPARK_AMX"])
     if mod is not None and not mod.enable():
         log.warning("the kernel refused this process the AMX registers; int4 layers use torch's kernel")
         return None
@@ -82,9 +88,9 @@ def _build_amx():  # noqa: ANN202 - the compiled module
 
 
 def amx():  # noqa: ANN201 - the compiled module or None
-    """The int4/int8 kernels on AMX tiles (``csrc/quant_amx.cpp``) where the CPU has AMX (BF16 and
-    INT8) and AVX512-VNNI, and neither
-    ``DSPARK_CPU_OPS=0`` nor ``DSPARK_CPU_AMX=0`` is set; else None."""
+    """The kernels with the int4/int8 matmuls on AMX tiles (``csrc/quant_amx.cpp``) and the decoder
+    stack, where the CPU has AMX (BF16 and INT8) and AVX512-VNNI, and neither ``DSPARK_CPU_OPS=0``
+    nor ``DSPARK_CPU_AMX=0`` is set; else None."""
     if not enabled() or os.environ.get("DSPARK_CPU_AMX", "1") == "0":
         return None
     return _build_amx()

@@ -5,11 +5,22 @@ one residual-add-and-norm call after attention and after the MLP, one rotary-and
 call, one attention call and one SwiGLU call. Used for every inference pass on CPU when the
 kernels are available and the attention backend is the torch one, so a decoded token and the
 same token verified always take this path.
+
+Where every linear is an AMX int4/int8 product (``amx_weights``), the pass has no prompt rows
+and every attention group is a short one, the whole loop runs in C++ (``csrc/decode_stack.cpp``):
+the same kernels in the same order, so the same bits, without the Python between them. Which
+layers qualify is worked out once per stack and kept on its ``layers`` list; code that swaps a
+stack's modules afterwards calls :func:`forget_stack` (the quantizer and the packers do).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
+
+_STACK = "_decode_stack"  # where a layers list keeps its StackPlan (or None: the Python loop)
 
 
 def kernels_for(h: torch.Tensor, attn):  # noqa: ANN001, ANN201 - attn: an attention backend; returns cpu_ops or None
@@ -30,6 +41,12 @@ def decoder_forward(model, ops, h: torch.Tensor, positions: torch.Tensor, attn, 
     cos, sin = model.rotary(positions, h.dtype)
     cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
     layers = model.layers
+    plan = stack_plan(model, ops) if rows is None and h.dtype == torch.bfloat16 else None
+    if plan is not None and all(g.short for g in attn.groups):
+        groups = [t for g in attn.groups for t in (g.gather, g.q_index, g.row_mask)]
+        out = ops.decode_stack(h, plan.weights, kv.k, kv.v, cos, sin, attn.slot_mapping, groups, plan.shape,
+                               plan.eps, list(capture))
+        return out[0], (torch.cat(out[1:], -1) if capture else None)
     x = ops.rms_norm(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
     taken = {}
     for i, layer in enumerate(layers):
@@ -46,3 +63,65 @@ def decoder_forward(model, ops, h: torch.Tensor, positions: torch.Tensor, attn, 
             taken[i] = h
     feats = torch.cat([taken[i] for i in capture], -1) if capture else None
     return x, feats
+
+
+@dataclass
+class StackPlan:
+    """What ``decode_stack`` takes for one model: its flat weight list (see the C++ source), the
+    attention shape (heads, kv heads, head dim) and (norm eps, q/k norm eps, attention scale)."""
+
+    weights: list[torch.Tensor]
+    shape: list[int]
+    eps: list[float]
+
+
+def forget_stack(module: nn.Module) -> None:
+    """Drop the plans kept under ``module``: its linears or norms are about to be swapped."""
+    for m in module.modules():
+        m.__dict__.pop(_STACK, None)
+
+
+def stack_plan(model, ops) -> StackPlan | None:  # noqa: ANN001 - model as decoder_forward's; ops: cpu_ops
+    """The model's StackPlan, made on first use and kept on ``model.layers``; None when the
+    kernels have no decoder stack or some layer is not in its form."""
+    layers = model.layers
+    if _STACK not in layers.__dict__:
+        layers.__dict__[_STACK] = _make_plan(model) if hasattr(ops, "decode_stack") else None
+    return layers.__dict__[_STACK]
+
+
+def _norm_weight(norm, eps: set[float]) -> torch.Tensor | None:  # noqa: ANN001 - an RMSNorm
+    w = getattr(norm, "weight", None)
+    if w is None or w.dtype != torch.bfloat16:
+        return None
+    eps.add(norm.eps)
+    return w
+
+
+def _make_plan(model) -> StackPlan | None:  # noqa: ANN001
+    from dspark.models.drafters.dspark import KernelRMSNorm  # the drafter's module imports this one
+
+    layers = model.layers
+    eps: set[float] = set()
+    qk_eps: set[float] = set()
+    none = torch.empty(0, dtype=torch.bfloat16)
+    first = _norm_weight(layers[0].input_layernorm, eps)
+    weights = [first]
+    for i, layer in enumerate(layers):
+        a, m = layer.self_attn, layer.mlp
+        parts = [getattr(lin, "amx_weights", lambda: None)() for lin in
+                 (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+        if any(p is None for p in parts):
+            return None
+        qk = [none, none]
+        if a.q_norm is not None or a.k_norm is not None:
+            if not (isinstance(a.q_norm, KernelRMSNorm) and isinstance(a.k_norm, KernelRMSNorm)):
+                return None  # a target's q/k norms stay torch's (the exact path)
+            qk = [_norm_weight(a.q_norm, qk_eps), _norm_weight(a.k_norm, qk_eps)]
+        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        weights += [*parts[0], *qk, *parts[1], _norm_weight(layer.post_attention_layernorm, eps),
+                    *parts[2], *parts[3], _norm_weight(after, eps)]
+    if any(w is None for w in weights) or len(eps) != 1 or len(qk_eps) > 1:
+        return None
+    a = layers[0].self_attn
+    return StackPlan(weights, [a.nh, a.nkv, a.hd], [eps.pop(), qk_eps.pop() if qk_eps else 0.0, a.scale])

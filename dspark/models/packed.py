@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dspark.models.fused import forget_stack
 from dspark.models.llama import cpu_reduced_precision
 
 
@@ -89,6 +90,7 @@ def pack_linears(module: nn.Module, only: tuple[str, ...] | None = None,
     bias)``, pre-packed by default (inference only: the copy does not follow later weight
     updates); for a drafter on CPU in bf16/fp16, where its small passes otherwise pay oneDNN's
     weight reorder on every call. only: just these direct children. Returns the count."""
+    forget_stack(module)
     swapped = 0
     for name, child in list(module.named_children()):
         if only is not None and name not in only:

@@ -33,6 +33,7 @@ from torch import nn
 
 from dspark.config import check_quantization
 from dspark.models import cpu_ops
+from dspark.models.fused import forget_stack
 from dspark.models.llama import Linear, cpu_reduced_precision
 from dspark.models.packed import PackedHead, PackedLinear, RowSplit
 
@@ -159,6 +160,11 @@ class Int4Linear(_WeightOnly):
             deq = Int4Weight(w.q, sz[..., 0].t().float(), sz[..., 1].t().float()).dequantize
         self._attach(w.q.shape, bias, dtype, deq if prefill_dense else None)
 
+    def amx_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed codes, scales) when this linear is exactly ``amx.mm`` by them (the decoder
+        stack's form), else None."""
+        return (self.packed, self.scale_offset) if self.amx is not None and self.bias is None else None
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None:
             return self.amx.mm(x, self.packed, self.scale_offset)
@@ -192,6 +198,10 @@ class Q8Linear(_WeightOnly):
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
         self._attach(codes.shape, bias, torch.bfloat16, None)
+
+    def amx_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As :meth:`Int4Linear.amx_weights`."""
+        return (self.packed, self.scale) if self.bias is None else None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.amx.mm(x, self.packed, self.scale)
@@ -260,6 +270,7 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
             stats[0] += 1
             stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
             stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
+    forget_stack(model.layers)
     if dev.type == "cpu" and cpu_reduced_precision(model.lm_head.weight):
         model.lm_head = _cpu_head(model.lm_head, quantized=bool({"Int4Linear", "Int8Linear"} & set(summary)),
                                   head_blocks=head_blocks)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.models import cpu_ops
-from dspark.models.fused import decoder_forward, kernels_for
+from dspark.models.fused import decoder_forward, forget_stack, kernels_for
 from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, cpu_reduced_precision
 from dspark.models.llama import LlamaConfig
 from dspark.models.quant import draft_linear
@@ -270,6 +270,7 @@ class BlockDrafter(nn.Module):
         for layer in self.layers:
             a = layer.self_attn
             a.q_norm, a.k_norm = kernel(a.q_norm), kernel(a.k_norm)
+        forget_stack(self.layers)
 
     def write_context(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv) -> None:
         """Project new context positions into every layer's cached K/V."""

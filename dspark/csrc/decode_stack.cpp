@@ -1,0 +1,77 @@
+// A decoder stack's decode or verification pass (every layer: norms, AMX int4/int8 linears,
+// rotary and cache write, attention, SwiGLU) in one call from Python.
+//
+// Why: at batch 1 a layer's arithmetic is tens of microseconds, and the Python around its nine
+// kernel calls (module calls, splits, views) costs about as much again. The gaps also cost the
+// kernels themselves: weights touched less often stay less in the shared cache. This loop calls
+// the very kernels models/fused.py calls, in the same order on the same views, so a pass through
+// it and a pass through Python give the same bits (the Python loop still serves prompt rows,
+// tensor-parallel shards and layers this loop does not take).
+
+#include "ops.h"
+
+#include <string>
+
+namespace dspark {
+
+namespace {
+constexpr int64_t kPerLayer = 12;  // see decode_stack's weights
+}
+
+// weights: the first layer's input-norm weight, then per layer: qkv (packed, scales), q and k
+// norm weights (empty: none), o (packed, scales), post-attention norm, gate/up (packed, scales),
+// down (packed, scales), and the norm after the layer (the next layer's input norm, or the final
+// one). Caches [layers, slots, kv heads, head dim]; cos/sin [rows, head dim]; groups: the
+// attention plan's (gather, q_index, mask) per group, flattened; shape: (heads, kv heads, head
+// dim); eps: (the layers' norm eps, the q/k norms' eps, the attention scale). Returns the final
+// normed hidden rows, then the residual stream after each layer in capture, in that order.
+std::vector<at::Tensor> decode_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
+                                     const at::Tensor& slots, const std::vector<at::Tensor>& groups,
+                                     std::vector<int64_t> shape, std::vector<double> eps,
+                                     const std::vector<int64_t>& capture) {
+  TORCH_CHECK(shape.size() == 3 && eps.size() == 3, "decode_stack: shape is (heads, kv heads, head dim), eps is "
+              "(norm eps, q/k norm eps, attention scale)");
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16, "decode_stack: h must be [rows, hidden] bf16");
+  TORCH_CHECK(!weights.empty() && (weights.size() - 1) % kPerLayer == 0,
+              "decode_stack: weights must be 1 + ", kPerLayer, " per layer");
+  TORCH_CHECK(groups.size() % 3 == 0, "decode_stack: groups come as (gather, q_index, mask) triples");
+  const int64_t layers = static_cast<int64_t>((weights.size() - 1) / kPerLayer);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == layers && v_cache.sizes() == k_cache.sizes(),
+              "decode_stack: caches must be [layers, slots, kv heads, head dim], one per layer");
+  const int64_t n = h.size(0), nh = shape[0], nkv = shape[1], hd = shape[2];
+  const double norm_eps = eps[0], qk_eps = eps[1], scale = eps[2];
+  std::vector<at::Tensor> taken(capture.size());
+  at::Tensor x = cpu::rms_norm(h, weights[0], norm_eps);
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + 1 + i * kPerLayer;
+    const at::Tensor qkv = amx::mm(x, w[0], w[1]);
+    at::Tensor q = qkv.narrow(1, 0, nh * hd).view({n, nh, hd});
+    at::Tensor k = qkv.narrow(1, nh * hd, nkv * hd).view({n, nkv, hd});
+    const at::Tensor v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({n, nkv, hd});
+    if (w[2].numel() > 0) {  // as the drafter's KernelRMSNorm: rows of head_dim
+      q = cpu::rms_norm(q.reshape({-1, hd}), w[2], qk_eps).view({n, nh, hd});
+      k = cpu::rms_norm(k.reshape({-1, hd}), w[3], qk_eps).view({n, nkv, hd});
+    }
+    const at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
+    cpu::rope_store(q, k, v, cos, sin, kc, vc, slots);
+    at::Tensor o = at::empty({n, nh, hd}, q.options());
+    for (size_t g = 0; g < groups.size(); g += 3)
+      cpu::attend(q, kc, vc, groups[g], groups[g + 1], groups[g + 2], scale, o);
+    auto hx = cpu::add_rms_norm(h, amx::mm(o.view({n, nh * hd}), w[4], w[5]), w[6], norm_eps);
+    const at::Tensor down = amx::mm(cpu::silu_mul(amx::mm(hx[1], w[7], w[8])), w[9], w[10]);
+    hx = cpu::add_rms_norm(hx[0], down, w[11], norm_eps);
+    h = hx[0];
+    x = hx[1];
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == i) taken[c] = h;
+  }
+  std::vector<at::Tensor> out{x};
+  for (size_t c = 0; c < capture.size(); ++c) {
+    TORCH_CHECK(taken[c].defined(), "decode_stack: no layer ", capture[c], " to capture");
+    out.push_back(taken[c]);
+  }
+  return out;
+}
+
+}  // namespace dspark

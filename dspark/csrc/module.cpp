@@ -1,0 +1,23 @@
+// The Python module of the CPU kernels. Built without DSPARK_AMX: the fused layer kernels
+// (cpu_ops.cpp). With it (a CPU with AMX): those, the int4/int8 matmuls (quant_amx.cpp) and the
+// whole decoder stack in one call (decode_stack.cpp), all in one library.
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace dspark;
+  m.def("markov_walk", &cpu::markov_walk, "a drafter's greedy Markov-head walk over a block");
+  m.def("rms_norm", &cpu::rms_norm, "RMS norm of rows");
+  m.def("add_rms_norm", &cpu::add_rms_norm, "residual add, then RMS norm");
+  m.def("silu_mul", &cpu::silu_mul, "silu(gate) * up of a fused gate/up output");
+  m.def("rope_store", &cpu::rope_store, "rotary on q and k in place; k and v into the paged caches");
+  m.def("attend", &cpu::attend, "masked attention over paged keys, one fixed order per row");
+#ifdef DSPARK_AMX
+  m.def("enable", &amx::enable, "request the AMX register state from the kernel");
+  m.def("pack", &amx::pack, "int4 (uint8) codes with scales and offsets, or int8 codes with scales -> the AMX layout",
+        pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m") = pybind11::none());
+  m.def("mm", &amx::mm, "bf16 rows times a packed int4 or int8 weight");
+  m.def("decode_stack", &decode_stack, "a decoder stack's decode or verification pass, every layer in one call");
+#endif
+}

@@ -1,0 +1,34 @@
+// The CPU kernels' entry points, shared by the Python module (module.cpp) and the decoder stack
+// (decode_stack.cpp), which calls them directly so that a pass through either gets the same bits.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace dspark::cpu {  // cpu_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& gu);
+void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots);
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
+            const at::Tensor& q_index, const at::Tensor& mask, double scale, at::Tensor out);
+at::Tensor markov_walk(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& anchors,
+                       const at::Tensor& to_target);
+}  // namespace dspark::cpu
+
+namespace dspark::amx {  // quant_amx.cpp
+bool enable();
+std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m);
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm);
+}  // namespace dspark::amx
+
+namespace dspark {  // decode_stack.cpp
+std::vector<at::Tensor> decode_stack(at::Tensor h, const std::vector<at::Tensor>& weights, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
+                                     const at::Tensor& slots, const std::vector<at::Tensor>& groups,
+                                     std::vector<int64_t> shape, std::vector<double> eps,
+                                     const std::vector<int64_t>& capture);
+}  // namespace dspark

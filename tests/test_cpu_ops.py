@@ -212,3 +212,23 @@ def test_markov_walk_takes_the_first_of_equal_maxima(V, threads):
     finally:
         torch.set_num_threads(old)
     assert got.tolist() == [[3, 1, V - 2, 0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_argmax_rows_follows_torchs_argmax(dtype: torch.dtype) -> None:
+    """Each row's first maximum (ties across and within vector lanes, widths off the 16-lane
+    step), the first NaN where there is one, index 0 for a row of -inf; as torch.argmax."""
+    g = torch.Generator().manual_seed(0)
+    for v in (1, 15, 16, 17, 33, 1000, 12288):
+        for r in (1, 3):
+            x = (torch.randn(r, v, generator=g) * 3).to(dtype)
+            assert torch.equal(ops.argmax_rows(x), x.float().argmax(-1)), (v, r)
+            ties = torch.randint(0, 3, (r, v), generator=g).to(dtype)
+            assert torch.equal(ops.argmax_rows(ties), ties.float().argmax(-1)), (v, r)
+    x = torch.randn(3, 100, generator=g).to(dtype)
+    x[0, 37] = x[0, 60] = float("nan")
+    x[1] = float("-inf")
+    x[2, 99] = float("nan")
+    assert ops.argmax_rows(x).tolist() == x.float().argmax(-1).tolist() == [37, 0, 99]
+    with pytest.raises(RuntimeError, match="contiguous features"):
+        ops.argmax_rows(x.t())

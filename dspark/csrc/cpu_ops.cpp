@@ -408,6 +408,63 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+// Index of each row's maximum [R] int64 from x [R, V]: the first of equal maxima, and the first
+// NaN where a row has one (torch's argmax rules), without the float copy torch's bf16 argmax
+// needs on CPU to be fast.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: rows must not be empty");
+  const int64_t R = x.size(0), V = x.size(1), sx = x.stride(0);
+  auto out = at::empty({R}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  dispatch(x.scalar_type(), "argmax_rows", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* row = xp + r * sx;
+        int64_t v = 0, best = 0;
+        float top = f32(row[0]);
+        bool nan = std::isnan(top);
+#if defined(__AVX512F__)
+        if (!nan && V >= 2 * kLanes) {
+          __m512 maxv = _mm512_set1_ps(top);
+          __m512i maxi = _mm512_setzero_si512();
+          __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+          const __m512i step = _mm512_set1_epi32(kLanes);
+          for (; v + kLanes <= V; v += kLanes) {
+            const __m512 a = load16(row + v);
+            if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q)) break;  // a NaN: the scalar loop finds the first
+            const __mmask16 gt = _mm512_cmp_ps_mask(a, maxv, _CMP_GT_OQ);  // strict: a lane keeps its first
+            maxv = _mm512_mask_blend_ps(gt, maxv, a);
+            maxi = _mm512_mask_blend_epi32(gt, maxi, idx);
+            idx = _mm512_add_epi32(idx, step);
+          }
+          alignas(64) float mv[kLanes];
+          alignas(64) int32_t mi[kLanes];
+          _mm512_store_ps(mv, maxv);
+          _mm512_store_si512(mi, maxi);
+          for (int l = 0; l < kLanes; ++l)
+            if (mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l];
+        }
+#endif
+        for (; v < V && !nan; ++v) {
+          const float a = f32(row[v]);
+          if (std::isnan(a)) {
+            nan = true;
+            best = v;
+          } else if (a > top) {
+            top = a;
+            best = v;
+          }
+        }
+        op[r] = best;
+      }
+    });
+  });
+  return out;
+}
+
 // (max, argmax) over columns [v0, v1) of base[v] + sum_j e[j] * wt[j, v] (rows V wide; the first
 // index among equal maxima, as torch's argmax; index v1 for an empty range). Each sum is taken from
 // base in j order by one fused multiply-add per j, the bits an axpy per j would leave, but 16

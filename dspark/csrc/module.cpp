@@ -8,6 +8,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace dspark;
   m.def("markov_walk", &cpu::markov_walk, "a drafter's greedy Markov-head walk over a block");
+  m.def("argmax_rows", &cpu::argmax_rows, "each row's first maximum (torch's argmax rules)");
   m.def("rms_norm", &cpu::rms_norm, "RMS norm of rows");
   m.def("add_rms_norm", &cpu::add_rms_norm, "residual add, then RMS norm");
   m.def("silu_mul", &cpu::silu_mul, "silu(gate) * up of a fused gate/up output");

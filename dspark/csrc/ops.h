@@ -15,6 +15,7 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots);
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
             const at::Tensor& q_index, const at::Tensor& mask, double scale, at::Tensor out);
+at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor markov_walk(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& anchors,
                        const at::Tensor& to_target);
 }  // namespace dspark::cpu

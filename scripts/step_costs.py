@@ -21,8 +21,8 @@ from pathlib import Path
 from dspark.config import SamplingParams
 from dspark.llm import LLM
 
-ORDER = ["step", "target forward", "propose", "  block forward", "  draft logits", "  Markov steps", "  confidence",
-         "commit", "  context K/V write"]
+ORDER = ["step", "target forward", "propose", "  block attention plan", "  block forward", "  draft logits",
+         "  Markov steps", "  Markov walk", "  confidence", "commit", "  context K/V write"]
 DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev_prompts.jsonl"
 
 
@@ -74,10 +74,13 @@ def main() -> None:
     if spec.name == "dspark":
         for name, label in (("propose", "propose"), ("commit", "commit")):
             timed(totals, counts, spec, name, label)
-        timed(totals, counts, spec.proposer, "block_forward", "  block forward")
+        timed(totals, counts, spec.proposer, "_block_forward", "  block forward")
+        timed(totals, counts, spec.proposer.attn, "plan", "  block attention plan")
         for name, label in (("draft_logits", "  draft logits"), ("step_logits", "  Markov steps"),
                             ("confidence", "  confidence"), ("write_context", "  context K/V write")):
             timed(totals, counts, spec.proposer.drafter, name, label)
+        if spec.proposer.drafter.markov_head is not None:
+            timed(totals, counts, spec.proposer.drafter.markov_head, "greedy_walk", "  Markov walk")
     rows = [json.loads(line) for line in open(args.prompts, encoding="utf-8")]
     if args.category:
         rows = [r for r in rows if r.get("category") in args.category.split(",")]

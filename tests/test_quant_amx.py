@@ -157,6 +157,7 @@ def test_drafter_linears_run_q8_0_on_amx(folders) -> None:  # noqa: ANN001
     spec = make_engine(folders["target"], folders["dspark"], quantization="int4", dtype="bfloat16")
     drafter = spec.spec.proposer.drafter
     assert isinstance(drafter.fc, Q8Linear) and isinstance(drafter.layers[0].mlp.down_proj, Q8Linear)
+    assert drafter.fc.sums.numel() and not spec.runner.model.lm_head.sums.numel()  # int8 rows: drafts only
 
 
 def test_gguf_head_blocks_are_the_files_own(tmp_path) -> None:  # noqa: ANN001
@@ -192,3 +193,29 @@ def test_dense_heads_stay_dense(folders) -> None:  # noqa: ANN001
     """Without quantized layers (--quantization none) the head stays a pre-packed dense one."""
     engine = make_engine(folders["target"], "none", quantization="none", dtype="bfloat16")
     assert isinstance(engine.runner.model.lm_head, PackedHead)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 40])
+def test_int8_rows_match_reference_and_do_not_depend_on_the_batch(rows: int) -> None:
+    """A drafter's Q8_0 linear with int8 rows (amx.mm8: VNNI up to 8 rows, AMX-INT8 past it):
+    within bf16's rounding of a float64 product of the rows quantized to int8 per group of 32
+    with scale * q, its bias added, and each row the same bits alone as in the batch (either path
+    sums the same exact integers)."""
+    from dspark.models.quant import Q8Linear
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 160, generator=g) * 0.05
+    b = torch.randn(96, generator=g).bfloat16()
+    codes, scale = quantize_q8_0(w)
+    deq = (codes.double().view(96, 5, 32) * scale.double()[..., None]).view(96, 160)
+    lin = Q8Linear(codes, scale, cpu_ops.amx(), b, int8_rows=True)
+    x = torch.randn(rows, 160, generator=g).bfloat16()
+    x[0] = 0  # a row of zeros quantizes with scale 0
+    got = lin(x).double()
+    ref = _int8_rows(x) @ deq.t() + b.double()
+    assert (got - ref).abs().max() <= 2 ** -8 * ref.abs().max()
+    assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(rows)]), lin(x))
+    with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 160"):
+        cpu_ops.amx().mm8(torch.zeros(1, 96).bfloat16(), lin.packed, lin.scale, lin.sums)
+    with pytest.raises(RuntimeError, match="pack8 returned"):
+        cpu_ops.amx().mm8(x, lin.packed, lin.scale, lin.sums[:1])

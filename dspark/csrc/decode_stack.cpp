@@ -15,12 +15,17 @@
 namespace dspark {
 
 namespace {
-constexpr int64_t kPerLayer = 12;  // see decode_stack's weights
-}
+constexpr int64_t kPerLayer = 16;  // see decode_stack's weights
 
-// weights: the first layer's input-norm weight, then per layer: qkv (packed, scales), q and k
-// norm weights (empty: none), o (packed, scales), post-attention norm, gate/up (packed, scales),
-// down (packed, scales), and the norm after the layer (the next layer's input norm, or the final
+// A linear given as (packed, scales, code sums): int8 rows (mm8) when the sums are there.
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
+  return w[2].numel() > 0 ? amx::mm8(x, w[0], w[1], w[2]) : amx::mm(x, w[0], w[1]);
+}
+}  // namespace
+
+// weights: the first layer's input-norm weight, then per layer: qkv (packed, scales, code sums:
+// empty for bf16 rows), q and k norm weights (empty: none), o, the post-attention norm, gate/up,
+// down (each linear as qkv), and the norm after the layer (the next layer's input norm, or the final
 // one). Caches [layers, slots, kv heads, head dim]; cos/sin [rows, head dim]; groups: the
 // attention plan's (gather, q_index, mask) per group, flattened; shape: (heads, kv heads, head
 // dim); eps: (the layers' norm eps, the q/k norms' eps, the attention scale). Returns the final
@@ -45,22 +50,22 @@ std::vector<at::Tensor> decode_stack(at::Tensor h, const std::vector<at::Tensor>
   at::Tensor x = cpu::rms_norm(h, weights[0], norm_eps);
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + 1 + i * kPerLayer;
-    const at::Tensor qkv = amx::mm(x, w[0], w[1]);
+    const at::Tensor qkv = linear(x, w);
     at::Tensor q = qkv.narrow(1, 0, nh * hd).view({n, nh, hd});
     at::Tensor k = qkv.narrow(1, nh * hd, nkv * hd).view({n, nkv, hd});
     const at::Tensor v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({n, nkv, hd});
-    if (w[2].numel() > 0) {  // as the drafter's KernelRMSNorm: rows of head_dim
-      q = cpu::rms_norm(q.reshape({-1, hd}), w[2], qk_eps).view({n, nh, hd});
-      k = cpu::rms_norm(k.reshape({-1, hd}), w[3], qk_eps).view({n, nkv, hd});
+    if (w[3].numel() > 0) {  // as the drafter's KernelRMSNorm: rows of head_dim
+      q = cpu::rms_norm(q.reshape({-1, hd}), w[3], qk_eps).view({n, nh, hd});
+      k = cpu::rms_norm(k.reshape({-1, hd}), w[4], qk_eps).view({n, nkv, hd});
     }
     const at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
     cpu::rope_store(q, k, v, cos, sin, kc, vc, slots);
     at::Tensor o = at::empty({n, nh, hd}, q.options());
     for (size_t g = 0; g < groups.size(); g += 3)
       cpu::attend(q, kc, vc, groups[g], groups[g + 1], groups[g + 2], scale, o);
-    auto hx = cpu::add_rms_norm(h, amx::mm(o.view({n, nh * hd}), w[4], w[5]), w[6], norm_eps);
-    const at::Tensor down = amx::mm(cpu::silu_mul(amx::mm(hx[1], w[7], w[8])), w[9], w[10]);
-    hx = cpu::add_rms_norm(hx[0], down, w[11], norm_eps);
+    auto hx = cpu::add_rms_norm(h, linear(o.view({n, nh * hd}), w + 5), w[8], norm_eps);
+    const at::Tensor down = linear(cpu::silu_mul(linear(hx[1], w + 9)), w + 12);
+    hx = cpu::add_rms_norm(hx[0], down, w[15], norm_eps);
     h = hx[0];
     x = hx[1];
     for (size_t c = 0; c < capture.size(); ++c)

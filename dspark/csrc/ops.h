@@ -24,6 +24,8 @@ namespace dspark::amx {  // quant_amx.cpp
 bool enable();
 std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m);
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm);
+std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d);
+at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& wsum);
 }  // namespace dspark::amx
 
 namespace dspark {  // decode_stack.cpp

@@ -160,10 +160,12 @@ class Int4Linear(_WeightOnly):
             deq = Int4Weight(w.q, sz[..., 0].t().float(), sz[..., 1].t().float()).dequantize
         self._attach(w.q.shape, bias, dtype, deq if prefill_dense else None)
 
-    def amx_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(packed codes, scales) when this linear is exactly ``amx.mm`` by them (the decoder
-        stack's form), else None."""
-        return (self.packed, self.scale_offset) if self.amx is not None and self.bias is None else None
+    def amx_weights(self) -> tuple[torch.Tensor, ...] | None:
+        """(packed codes, scales, an empty tensor) when this linear is exactly ``amx.mm`` by them
+        (the decoder stack's form), else None."""
+        if self.amx is None or self.bias is not None:
+            return None
+        return self.packed, self.scale_offset, torch.empty(0, dtype=torch.int32)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None:
@@ -189,21 +191,30 @@ class Int8Linear(_WeightOnly):
 class Q8Linear(_WeightOnly):
     """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles, bf16 in
     and out: half a bf16 weight's bytes read per call, at a cost that hardly grows up to 16 rows.
-    Each row's result depends on that row alone, so prompt rows need no dense copy."""
+    Each row's result depends on that row alone, so prompt rows need no dense copy. int8_rows:
+    the rows are quantized to int8 per group of 32 too (``amx.mm8``, several times faster at a few
+    rows; for drafters, whose drafts need no bit-equality with a bf16-row product)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, amx, bias: torch.Tensor | None = None):  # noqa: ANN001
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, amx, bias: torch.Tensor | None = None,  # noqa: ANN001
+                 int8_rows: bool = False):
         super().__init__()
         self.amx = amx
-        packed, scale = amx.pack(codes, scale)
+        if int8_rows:
+            packed, scale, sums = amx.pack8(codes, scale)
+        else:
+            (packed, scale), sums = amx.pack(codes, scale), torch.empty(0, dtype=torch.int32)
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
+        self.register_buffer("sums", sums)  # empty: bf16 rows (amx.mm)
         self._attach(codes.shape, bias, torch.bfloat16, None)
 
-    def amx_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """As :meth:`Int4Linear.amx_weights`."""
-        return (self.packed, self.scale) if self.bias is None else None
+    def amx_weights(self) -> tuple[torch.Tensor, ...] | None:
+        """As :meth:`Int4Linear.amx_weights`, with the code sums of an int8-rows weight (else empty)."""
+        return (self.packed, self.scale, self.sums) if self.bias is None else None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sums.numel():
+            return self.amx.mm8(x, self.packed, self.scale, self.sums)
         return self.amx.mm(x, self.packed, self.scale)
 
 
@@ -217,14 +228,14 @@ class Int8Head(Q8Linear):
 
 
 def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-    """The fastest inference linear for a drafter's dense weight on CPU in bf16/fp16: Q8_0 on AMX
-    where the shapes allow (drafts need no bit-exactness, and Q8_0 barely moves a weight), else a
-    pre-packed dense one."""
+    """The fastest inference linear for a drafter's dense weight on CPU in bf16/fp16: Q8_0 with
+    int8 rows on VNNI / AMX-INT8 where the shapes allow (drafts need no bit-exactness, and Q8_0
+    barely moves a weight), else a pre-packed dense one."""
     amx = cpu_ops.amx() if weight.dtype == torch.bfloat16 else None
     n, k = weight.shape
     if amx is None or n % 32 or k % GROUP:
         return PackedLinear(weight, bias)
-    return Q8Linear(*quantize_q8_0(weight.detach()), amx, bias)
+    return Q8Linear(*quantize_q8_0(weight.detach()), amx, bias, int8_rows=True)
 
 
 # --------------------------------------------------------------------------- applying a mode

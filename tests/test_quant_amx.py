@@ -121,19 +121,21 @@ def test_speculative_equals_plain_on_amx(folders, tree: bool) -> None:  # noqa: 
     assert spec.spec_stats.accepted > 0
 
 
+@pytest.mark.parametrize("int8_rows", [True, False], ids=["int8-rows", "bf16-rows"])
 @pytest.mark.parametrize("rows", [1, 9, 17])
-def test_int8_head_matches_q8_0_reference(rows: int) -> None:
+def test_int8_head_matches_q8_0_reference(rows: int, int8_rows: bool) -> None:
     """The int8 head (GGUF's Q8_0 codes, one fp16 scale per 32 inputs) within bf16's rounding of
-    a float64 product with scale * q, each row as it is alone, the dense weight still exposed."""
+    a float64 product with scale * q (of the rows quantized to int8 per group of 32, as llama.cpp
+    runs a Q8_0 product, by default), each row as it is alone, the dense weight still exposed."""
     w = torch.randn(96, 128) * 0.05
     codes, scale = quantize_q8_0(w)
     deq = (codes.double().view(96, 4, 32) * scale.double()[..., None]).view(96, 128)
     assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6  # half a step at most
     lin = torch.nn.Linear(128, 96, bias=False).bfloat16()
-    head = Int8Head(lin, codes, scale, cpu_ops.amx())
+    head = Int8Head(lin, codes, scale, cpu_ops.amx(), int8_rows=int8_rows)
     assert head.weight is lin.weight
     x = torch.randn(rows, 128).bfloat16()
-    ref = x.double() @ deq.t()
+    ref = (_int8_rows(x) if int8_rows else x.double()) @ deq.t()
     got = head(x[None])[0].double()
     assert (got - ref).abs().max() <= 2 ** -8 * ref.abs().max()
     assert torch.equal(torch.cat([head(x[i:i + 1]) for i in range(rows)]), head(x))
@@ -157,7 +159,7 @@ def test_drafter_linears_run_q8_0_on_amx(folders) -> None:  # noqa: ANN001
     spec = make_engine(folders["target"], folders["dspark"], quantization="int4", dtype="bfloat16")
     drafter = spec.spec.proposer.drafter
     assert isinstance(drafter.fc, Q8Linear) and isinstance(drafter.layers[0].mlp.down_proj, Q8Linear)
-    assert drafter.fc.sums.numel() and not spec.runner.model.lm_head.sums.numel()  # int8 rows: drafts only
+    assert drafter.fc.sums.numel()  # int8 rows
 
 
 def test_gguf_head_blocks_are_the_files_own(tmp_path) -> None:  # noqa: ANN001

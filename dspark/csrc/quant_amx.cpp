@@ -1,5 +1,6 @@
 // Weight-only int4 and int8 matmul on Intel AMX tiles, for decode and verification rows (int4: the
-// decoder layers; int8: the LM head, as a GGUF's Q8_0 blocks).
+// decoder layers; int8: the LM head and drafters, as a GGUF's Q8_0 blocks, with int8 rows in
+// mm_q8_rows or bf16 rows in mm_int8).
 //
 // Why: torch's int4 CPU kernel works through the weights once per block of 4 rows, so verifying a
 // block of draft tokens costs several decode steps. AMX multiplies a 16-row tile for about the
@@ -265,10 +266,10 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
   });
 }
 
-// int8 weights (Q8_0) times int8 rows, for drafters (their drafts need no bit-equality with
-// anything; the target's head keeps mm_int8's bf16 rows). The bf16 path expands every code to
-// bf16 on each call and is bound by that, not by memory; here the codes go to the units as they
-// are. Layout as widen()'s output: (column tile, group) = 8 vectors, vector q holding k = 4q ..
+// int8 weights (Q8_0) times int8 rows (each row quantized per group of 32 as for int4), for the
+// LM head and drafters. The bf16 path expands every code to bf16 on each call and is bound by
+// that, not by memory, up to the whole head at one row; here the codes go to the units as they
+// are. Either way a group's sum is an exact int32, so VNNI and AMX rows get the same bits. Layout as widen()'s output: (column tile, group) = 8 vectors, vector q holding k = 4q ..
 // 4q + 3 of the 16 columns, which is also AMX-INT8's B tile. VNNI multiplies unsigned by signed
 // bytes, so rows go in as xq + 128 and each group's sum loses 128 * (the column's code sum), wsum.
 void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, const int32_t* wsp,

@@ -18,7 +18,8 @@ Every kernel here computes each output row from its input row alone, in the same
 the number of rows, so a token decoded alone and the same token verified in a chain get the same
 bits: speculative output stays equal to plain output of the same quantized model. The embedding
 stays dense; so does the LM head, except on AMX with quantized layers, where it runs as int8
-(``Int8Head``) and keeps its dense weight for drafters that read it.
+with int8 rows (``Int8Head``, a Q8_0 product as llama.cpp runs it) and keeps its dense weight
+for drafters that read it.
 """
 
 from __future__ import annotations
@@ -192,8 +193,9 @@ class Q8Linear(_WeightOnly):
     """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles, bf16 in
     and out: half a bf16 weight's bytes read per call, at a cost that hardly grows up to 16 rows.
     Each row's result depends on that row alone, so prompt rows need no dense copy. int8_rows:
-    the rows are quantized to int8 per group of 32 too (``amx.mm8``, several times faster at a few
-    rows; for drafters, whose drafts need no bit-equality with a bf16-row product)."""
+    the rows are quantized to int8 per group of 32 too (``amx.mm8``, as llama.cpp runs a Q8_0
+    product; several times faster at a few rows, where expanding the codes to bf16 bounds the
+    other path). Both paths give a row the same bits alone or in any batch."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, amx, bias: torch.Tensor | None = None,  # noqa: ANN001
                  int8_rows: bool = False):
@@ -222,8 +224,9 @@ class Int8Head(Q8Linear):
     """The LM head as a :class:`Q8Linear`. Still exposes the dense ``weight`` (tied to the
     embedding, and read by drafters that share the target's head)."""
 
-    def __init__(self, head: nn.Module, codes: torch.Tensor, scale: torch.Tensor, amx):  # noqa: ANN001
-        super().__init__(codes, scale, amx)
+    def __init__(self, head: nn.Module, codes: torch.Tensor, scale: torch.Tensor, amx,  # noqa: ANN001
+                 int8_rows: bool = True):
+        super().__init__(codes, scale, amx, int8_rows=int8_rows)
         self.weight = head.weight
 
 

@@ -13,7 +13,7 @@
 // Each output then takes acc += S * (d * dx); acc += m * (dx * sum xq) over groups in order, with
 // w = d * q + m (fp16 d, m), so a row's result is the same bits in any batch and either path.
 //
-// int8 head (bf16 activations): codes in [-128, 127] are exact in bf16 and x * q is exact in fp32,
+// int8 with bf16 rows (mm_int8): codes in [-128, 127] are exact in bf16 and x * q is exact in fp32,
 // so per group the bf16 tile multiply gives sum x*q accumulated in fp32 in the hardware's fixed
 // pair order; each output takes acc += d * S over groups in order.
 //

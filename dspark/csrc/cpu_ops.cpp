@@ -408,6 +408,35 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+#if defined(__AVX512F__)
+// Running maxima of 16 lanes over consecutive 16-column steps from column v0, each lane keeping
+// the first column of its maximum (a strict compare), and their reduction to one (value, index):
+// the larger value, the lower index among equal ones.
+struct LaneMax {
+  __m512 v;
+  __m512i i, idx;
+  LaneMax(float init, int64_t v0)
+      : v(_mm512_set1_ps(init)), i(_mm512_set1_epi32(static_cast<int32_t>(v0))),
+        idx(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(v0)),
+                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))) {}
+  void step(__m512 a) {
+    const __mmask16 gt = _mm512_cmp_ps_mask(a, v, _CMP_GT_OQ);
+    v = _mm512_mask_blend_ps(gt, v, a);
+    i = _mm512_mask_blend_epi32(gt, i, idx);
+    idx = _mm512_add_epi32(idx, _mm512_set1_epi32(kLanes));
+  }
+  // folds the lanes into (top, best); any: whether (top, best) already holds a value
+  void reduce(float& top, int64_t& best, bool& any) const {
+    alignas(64) float mv[kLanes];
+    alignas(64) int32_t mi[kLanes];
+    _mm512_store_ps(mv, v);
+    _mm512_store_si512(mi, i);
+    for (int l = 0; l < kLanes; ++l)
+      if (!any || mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l], any = true;
+  }
+};
+#endif
+
 // Index of each row's maximum [R] int64 from x [R, V]: the first of equal maxima, and the first
 // NaN where a row has one (torch's argmax rules), without the float copy torch's bf16 argmax
 // needs on CPU to be fast.
@@ -428,24 +457,14 @@ at::Tensor argmax_rows(const at::Tensor& x) {
         bool nan = std::isnan(top);
 #if defined(__AVX512F__)
         if (!nan && V >= 2 * kLanes) {
-          __m512 maxv = _mm512_set1_ps(top);
-          __m512i maxi = _mm512_setzero_si512();
-          __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-          const __m512i step = _mm512_set1_epi32(kLanes);
+          LaneMax lanes(top, 0);  // every lane starts at column 0's value
           for (; v + kLanes <= V; v += kLanes) {
             const __m512 a = load16(row + v);
             if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q)) break;  // a NaN: the scalar loop finds the first
-            const __mmask16 gt = _mm512_cmp_ps_mask(a, maxv, _CMP_GT_OQ);  // strict: a lane keeps its first
-            maxv = _mm512_mask_blend_ps(gt, maxv, a);
-            maxi = _mm512_mask_blend_epi32(gt, maxi, idx);
-            idx = _mm512_add_epi32(idx, step);
+            lanes.step(a);
           }
-          alignas(64) float mv[kLanes];
-          alignas(64) int32_t mi[kLanes];
-          _mm512_store_ps(mv, maxv);
-          _mm512_store_si512(mi, maxi);
-          for (int l = 0; l < kLanes; ++l)
-            if (mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l];
+          bool any = true;
+          lanes.reduce(top, best, any);
         }
 #endif
         for (; v < V && !nan; ++v) {
@@ -477,25 +496,13 @@ inline std::pair<float, int64_t> biased_argmax(const float* base, const float* e
   bool any = false;
 #if defined(__AVX512F__)
   if (v1 - v0 >= kLanes) {
-    __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512i maxi = _mm512_set1_epi32(static_cast<int32_t>(v0));
-    __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(v0)),
-                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i step = _mm512_set1_epi32(kLanes);
+    LaneMax lanes(-std::numeric_limits<float>::infinity(), v0);
     for (; v + kLanes <= v1; v += kLanes) {
       __m512 acc = _mm512_loadu_ps(base + v);
       for (int64_t j = 0; j < rank; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), _mm512_loadu_ps(wt + j * V + v), acc);
-      const __mmask16 gt = _mm512_cmp_ps_mask(acc, maxv, _CMP_GT_OQ);  // strict: a lane keeps its first
-      maxv = _mm512_mask_blend_ps(gt, maxv, acc);
-      maxi = _mm512_mask_blend_epi32(gt, maxi, idx);
-      idx = _mm512_add_epi32(idx, step);
+      lanes.step(acc);
     }
-    alignas(64) float mv[kLanes];
-    alignas(64) int32_t mi[kLanes];
-    _mm512_store_ps(mv, maxv);
-    _mm512_store_si512(mi, maxi);
-    for (int l = 0; l < kLanes; ++l)
-      if (!any || mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l], any = true;
+    lanes.reduce(top, best, any);
   }
 #endif
   for (; v < v1; ++v) {

@@ -132,15 +132,18 @@ inline void store_rows(const std::vector<__m512>& acc, int64_t rows, c10::BFloat
                           (__m256i)_mm512_cvtneps_pbh(acc[2 * i + j]));
 }
 
-// int4 weights, int8 activations (see the header). Column tiles go in pairs: two independent
-// chains per group keep the units busy.
-void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
-             int64_t n, int64_t pairs) {
-  const int64_t k = x.size(1), g = k / kGroup, scales = 2 * kCols;
-  const bool vnni = rows <= kVnniRows;
+// A batch's rows as int8 codes (padded with zero rows to whole tiles past kVnniRows rows) and
+// each group's dx and dx * sum of codes, in the calling thread's scratch, reused across calls:
+// three tensor allocations per linear cost as much as a small layer's arithmetic at one row.
+struct QuantizedRows {
+  const int8_t* xq;
+  const float* dx;
+  const float* cx;
+};
+
+QuantizedRows quantize_batch(const at::Tensor& x, int64_t rows, bool vnni) {
+  const int64_t k = x.size(1), g = k / kGroup;
   const int64_t padded = vnni || rows <= 16 ? rows : (rows + 15) / 16 * 16;
-  // the calling thread's scratch, reused across calls: three tensor allocations per linear cost
-  // as much as a small layer's arithmetic at one row
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> scale_buf;
   xq_buf.resize(padded * k);
@@ -153,6 +156,18 @@ void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     quantize_rows(xp + r0 * k, r1 - r0, k, xqp + r0 * k, dxp + r0 * g, cxp + r0 * g);
   });
+  return {xqp, dxp, cxp};
+}
+
+// int4 weights, int8 activations (see the header). Column tiles go in pairs: two independent
+// chains per group keep the units busy.
+void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
+             int64_t n, int64_t pairs) {
+  const int64_t k = x.size(1), g = k / kGroup, scales = 2 * kCols;
+  const bool vnni = rows <= kVnniRows;
+  const QuantizedRows qr = quantize_batch(x, rows, vnni);
+  const int8_t* xqp = qr.xq;
+  const float *dxp = qr.dx, *cxp = qr.cx;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) uint8_t btile[2][8 * 64];
     alignas(64) int32_t ctile[2][16 * 16];
@@ -269,25 +284,17 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
 // int8 weights (Q8_0) times int8 rows (each row quantized per group of 32 as for int4), for the
 // LM head and drafters. The bf16 path expands every code to bf16 on each call and is bound by
 // that, not by memory, up to the whole head at one row; here the codes go to the units as they
-// are. Either way a group's sum is an exact int32, so VNNI and AMX rows get the same bits. Layout as widen()'s output: (column tile, group) = 8 vectors, vector q holding k = 4q ..
-// 4q + 3 of the 16 columns, which is also AMX-INT8's B tile. VNNI multiplies unsigned by signed
+// are. Either way a group's sum is an exact int32, so VNNI and AMX rows get the same bits.
+// Layout as widen()'s output: (column tile, group) = 8 vectors, vector q holding k = 4q .. 4q + 3
+// of the 16 columns, which is also AMX-INT8's B tile. VNNI multiplies unsigned by signed
 // bytes, so rows go in as xq + 128 and each group's sum loses 128 * (the column's code sum), wsum.
 void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, const int32_t* wsp,
                 c10::BFloat16* yp, int64_t n, int64_t pairs) {
   const int64_t k = x.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
   const bool vnni = rows <= kVnniRows;
-  const int64_t padded = vnni || rows <= 16 ? rows : (rows + 15) / 16 * 16;
-  thread_local std::vector<int8_t> xq_buf;
-  thread_local std::vector<float> scale_buf;
-  xq_buf.resize(padded * k);
-  scale_buf.resize(2 * rows * g);
-  int8_t* xqp = xq_buf.data();
-  float* dxp = scale_buf.data();
-  std::memset(xqp + rows * k, 0, (padded - rows) * k);
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp + r0 * k, r1 - r0, k, xqp + r0 * k, dxp + r0 * g, dxp + rows * g + r0 * g);
-  });
+  const QuantizedRows qr = quantize_batch(x, rows, vnni);
+  const int8_t* xqp = qr.xq;
+  const float* dxp = qr.dx;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) int32_t ctile[2][16 * 16];
     std::vector<__m512> acc(rows * 2);

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "module.cpp", CSRC / "cpu_ops.cpp"]
-AMX_SOURCES = [*SOURCES, CSRC / "quant_amx.cpp", CSRC / "decode_stack.cpp"]
+AMX_SOURCES = [*SOURCES, CSRC / "quant_amx.cpp", CSRC / "quant_q8_rows.cpp", CSRC / "decode_stack.cpp"]
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
                "AVX2": ["-mavx2", "-mfma"]}
 

@@ -1,0 +1,114 @@
+// The pieces the AMX/VNNI weight-only kernels share (quant_amx.cpp: int4 and int8 with bf16 rows;
+// quant_q8_rows.cpp: int8 with int8 rows): tile shapes and configuration, row quantization,
+// loads and stores.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace dspark::amx {
+
+constexpr int kGroup = 32;   // inputs per quantization group = one tile's K (32 bf16)
+constexpr int kCols = 16;    // output columns per tile
+constexpr int kTileBytes = kCols * kGroup / 2;  // packed nibbles of one (column tile, group)
+constexpr int kAhead = 8;  // groups of weights prefetched ahead
+constexpr int kVnniRows = 8;  // up to this many rows the int4 path takes VNNI, past it AMX-INT8
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile 0: A (rows x a_bytes); tiles 1 and 3: B of two column tiles (b_rows x 64 bytes); tiles 2
+// and 4: their C (rows x 16 fp32 or int32).
+inline void configure(int rows, int a_bytes, int b_rows) {
+  TileConfig cfg;
+  cfg.colsb[0] = a_bytes; cfg.rows[0] = rows;
+  cfg.colsb[1] = 64; cfg.rows[1] = b_rows;
+  cfg.colsb[2] = 64; cfg.rows[2] = rows;
+  cfg.colsb[3] = 64; cfg.rows[3] = b_rows;
+  cfg.colsb[4] = 64; cfg.rows[4] = rows;
+  // GCC does not count ldtilecfg as reading cfg, and drops the stores above once configure is
+  // compiled on its own; the barrier keeps them
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Rows of x -> int8 codes per group of 32 (xq [padded rows, K], zero past `rows`), each group's
+// scale dx and dx * sum of its codes.
+inline void quantize_rows(const c10::BFloat16* x, int64_t rows, int64_t k, int8_t* xq, float* dx, float* cx) {
+  const int64_t g = k / kGroup;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const auto* p = x + r * k + gi * kGroup;
+      const __m512 a = load_bf16(p), b = load_bf16(p + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // to nearest, ties to even
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + gi * kGroup), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + gi * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
+      const float d = amax / 127.0f;
+      dx[r * g + gi] = d;
+      cx[r * g + gi] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+}
+
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
+inline void store_rows(const std::vector<__m512>& acc, int64_t rows, c10::BFloat16* y, int64_t n, int64_t t) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int j = 0; j < 2; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * n + (t + j) * kCols),
+                          (__m256i)_mm512_cvtneps_pbh(acc[2 * i + j]));
+}
+
+// A batch's rows as int8 codes (padded with zero rows to whole tiles past kVnniRows rows) and
+// each group's dx and dx * sum of codes, in the calling thread's scratch, reused across calls:
+// three tensor allocations per linear cost as much as a small layer's arithmetic at one row.
+struct QuantizedRows {
+  const int8_t* xq;
+  const float* dx;
+  const float* cx;
+};
+
+inline QuantizedRows quantize_batch(const at::Tensor& x, int64_t rows, bool vnni) {
+  const int64_t k = x.size(1), g = k / kGroup;
+  const int64_t padded = vnni || rows <= 16 ? rows : (rows + 15) / 16 * 16;
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> scale_buf;
+  xq_buf.resize(padded * k);
+  scale_buf.resize(2 * rows * g);
+  int8_t* xqp = xq_buf.data();
+  float* dxp = scale_buf.data();
+  float* cxp = dxp + rows * g;
+  std::memset(xqp + rows * k, 0, (padded - rows) * k);  // padding rows multiply as zeros
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp + r0 * k, r1 - r0, k, xqp + r0 * k, dxp + r0 * g, cxp + r0 * g);
+  });
+  return {xqp, dxp, cxp};
+}
+
+}  // namespace dspark::amx

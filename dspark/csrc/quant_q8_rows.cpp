@@ -1,0 +1,139 @@
+// Q8_0 weights times int8 rows on VNNI and AMX-INT8 (see mm_q8_rows), for the LM head and drafters.
+#include "amx_tiles.h"
+#include "ops.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace dspark::amx {
+
+// int8 weights (Q8_0) times int8 rows (each row quantized per group of 32 as for int4), for the
+// LM head and drafters. The bf16 path expands every code to bf16 on each call and is bound by
+// that, not by memory, up to the whole head at one row; here the codes go to the units as they
+// are. Either way a group's sum is an exact int32, so VNNI and AMX rows get the same bits.
+// Layout as widen()'s output: (column tile, group) = 8 vectors, vector q holding k = 4q .. 4q + 3
+// of the 16 columns, which is also AMX-INT8's B tile. VNNI multiplies unsigned by signed
+// bytes, so rows go in as xq + 128 and each group's sum loses 128 * (the column's code sum), wsum.
+void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, const int32_t* wsp,
+                c10::BFloat16* yp, int64_t n, int64_t pairs) {
+  const int64_t k = x.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
+  const bool vnni = rows <= kVnniRows;
+  const QuantizedRows qr = quantize_batch(x, rows, vnni);
+  const int8_t* xqp = qr.xq;
+  const float* dxp = qr.dx;
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) int32_t ctile[2][16 * 16];
+    std::vector<__m512> acc(rows * 2);
+    __m512i w[2][8];
+    if (!vnni) configure(static_cast<int>(std::min<int64_t>(rows, 16)), kGroup, 8);
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      const int64_t t = 2 * pr;
+      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+      const uint8_t* wt[2] = {wp + t * g * tile_bytes, wp + (t + 1) * g * tile_bytes};
+      const uint16_t* dm[2] = {dmp + t * g * kCols, dmp + (t + 1) * g * kCols};
+      const int32_t* ws[2] = {wsp + t * g * kCols, wsp + (t + 1) * g * kCols};
+      for (int64_t gi = 0; gi < g; ++gi) {
+        prefetch(wt[0] + (gi + kAhead) * tile_bytes, tile_bytes);
+        prefetch(wt[1] + (gi + kAhead) * tile_bytes, tile_bytes);
+        const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
+        if (vnni) {
+          __m512i off[2];
+          for (int j = 0; j < 2; ++j) {
+            for (int q = 0; q < 8; ++q) w[j][q] = _mm512_loadu_si512(wt[j] + gi * tile_bytes + 64 * q);
+            off[j] = _mm512_slli_epi32(_mm512_loadu_si512(ws[j] + gi * kCols), 7);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int8_t* xr = xqp + r * k + gi * kGroup;
+            __m512i s[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()},
+                               {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+            for (int q = 0; q < 8; ++q) {
+              uint32_t quad;
+              std::memcpy(&quad, xr + 4 * q, 4);
+              const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(quad ^ 0x80808080u));  // xq + 128
+              s[0][q & 1] = _mm512_dpbusd_epi32(s[0][q & 1], xv, w[0][q]);
+              s[1][q & 1] = _mm512_dpbusd_epi32(s[1][q & 1], xv, w[1][q]);
+            }
+            const __m512 d = _mm512_set1_ps(dxp[r * g + gi]);
+            for (int j = 0; j < 2; ++j) {
+              const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(s[j][0], s[j][1]), off[j]);
+              acc[2 * r + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv[j], d), acc[2 * r + j]);
+            }
+          }
+          continue;
+        }
+        _tile_loadd(1, wt[0] + gi * tile_bytes, 64);  // the packed layout is the B tile itself
+        _tile_loadd(3, wt[1] + gi * tile_bytes, 64);
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+          _tile_loadd(0, xqp + r0 * k + gi * kGroup, k);
+          _tile_zero(2);
+          _tile_zero(4);
+          _tile_dpbssd(2, 0, 1);
+          _tile_dpbssd(4, 0, 3);
+          _tile_stored(2, ctile[0], 64);
+          _tile_stored(4, ctile[1], 64);
+          const int64_t mr = std::min<int64_t>(16, rows - r0);
+          for (int64_t i = 0; i < mr; ++i) {
+            const __m512 d = _mm512_set1_ps(dxp[(r0 + i) * g + gi]);
+            for (int j = 0; j < 2; ++j)
+              acc[2 * (r0 + i) + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ctile[j] + 16 * i)),
+                                                      _mm512_mul_ps(dv[j], d), acc[2 * (r0 + i) + j]);
+          }
+        }
+      }
+      store_rows(acc, rows, yp, n, t);
+    }
+    if (!vnni) _tile_release();
+  });
+}
+
+
+// int8 codes [N, K] and scales [N, K / 32] -> (codes in widen()'s layout [N/16, G, 512], fp16
+// scales [N/16, G, 16], the codes' sum per column and group [N/16, G, 16] int32), for mm8.
+std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack8: codes must be [N, K] int8");
+  const int64_t n = q.size(0), k = q.size(1), g = k / kGroup;
+  TORCH_CHECK(n % (2 * kCols) == 0 && k % kGroup == 0, "pack8: N must divide by 32 and K by 32");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == n && d.size(1) == g, "pack8: scales must be [N, K / 32]");
+  auto qc = q.contiguous();
+  auto packed = at::zeros({n / kCols, g, 2 * kTileBytes}, q.options());
+  auto wsum = at::zeros({n / kCols, g, kCols}, q.options().dtype(at::kInt));
+  const int8_t* src = qc.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  int32_t* sum = wsum.data_ptr<int32_t>();
+  for (int64_t t = 0; t < n / kCols; ++t)
+    for (int64_t gi = 0; gi < g; ++gi)
+      for (int col = 0; col < kCols; ++col)
+        for (int kk = 0; kk < kGroup; ++kk) {
+          const int8_t code = src[(t * kCols + col) * k + gi * kGroup + kk];
+          dst[(t * g + gi) * 2 * kTileBytes + 64 * (kk / 4) + 4 * col + kk % 4] = code;
+          sum[(t * g + gi) * kCols + col] += code;
+        }
+  auto dm = d.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}).contiguous();
+  return {packed, dm, wsum};
+}
+
+// y [M, N] bf16 = x [M, K] bf16 (quantized to int8 per row and group of 32) @ w.T, w from pack8().
+at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& wsum) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "mm8: x must be [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == 2 * kTileBytes &&
+              packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm8: not a weight from pack8");
+  const int64_t rows = x_in.size(0), k = x_in.size(1), g = k / kGroup, pairs = packed.size(0) / 2;
+  const int64_t n = packed.size(0) * kCols, cells = packed.size(0) * packed.size(1) * kCols;
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == cells &&
+              wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == cells,
+              "mm8: scales and sums must be the tensors pack8 returned");
+  TORCH_CHECK(k % kGroup == 0 && packed.size(1) == g, "mm8: x has ", k, " inputs, the weight ", packed.size(1) * kGroup);
+  auto y = at::empty({rows, n}, x_in.options());
+  if (rows == 0) return y;
+  const at::Tensor x = x_in.contiguous();
+  mm_q8_rows(x, rows, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
+             reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), wsum.data_ptr<int32_t>(),
+             y.data_ptr<c10::BFloat16>(), n, pairs);
+  return y;
+}
+
+}  // namespace dspark::amx

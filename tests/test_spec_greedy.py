@@ -342,10 +342,11 @@ def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_p
     _assert_same(outs, plain([(p, sp) for p in prompts[:3]]))
     assert sum(looked) > 0 and 0 in passes  # some steps looked up every chain and skipped the pass
     st = engine.spec_stats  # every request's steps that verified a lookup, and what they kept
-    assert 0 < st.lookup_steps <= sum(looked) and 0 < st.lookup_accepted <= st.accepted
+    assert 0 < st.lookup_steps <= sum(looked) and st.lookup_accepted <= st.accepted
     assert sum(o.stats.lookup_steps for o in outs) <= st.lookup_steps
     assert sum(spec.assist.reached) > 0 and spec.assist.prior(4).tolist() != [0.5] * 4
-    if policy == "fixed":  # load-aware admits what pays at this model's measured costs
+    if policy == "fixed":  # load-aware admits what pays at this model's measured (noisy) costs
+        assert st.lookup_accepted > 0
         assert spec.block_size < longest[0] <= 20
     # finished requests keep no lookup index and no grown span
     assert spec.assist.spans == {} and spec.assist.lookup._indexes == {}

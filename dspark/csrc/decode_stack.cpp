@@ -10,17 +10,13 @@
 
 #include "ops.h"
 
-#include <string>
-
 namespace dspark {
 
 namespace {
 constexpr int64_t kPerLayer = 16;  // see decode_stack's weights
 
-// A linear given as (packed, scales, code sums): int8 rows (mm8) when the sums are there.
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
-  return w[2].numel() > 0 ? amx::mm8(x, w[0], w[1], w[2]) : amx::mm(x, w[0], w[1]);
-}
+// A linear given as (packed, scales, code sums: empty for bf16 rows), as amx::mm takes it.
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w) { return amx::mm(x, w[0], w[1], w[2]); }
 }  // namespace
 
 // weights: the first layer's input-norm weight, then per layer: qkv (packed, scales, code sums:

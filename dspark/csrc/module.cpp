@@ -18,7 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable", &amx::enable, "request the AMX register state from the kernel");
   m.def("pack", &amx::pack, "int4 (uint8) codes with scales and offsets, or int8 codes with scales -> the AMX layout",
         pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m") = pybind11::none());
-  m.def("mm", &amx::mm, "bf16 rows times a packed int4 or int8 weight");
+  m.def("mm", &amx::mm, "bf16 rows times a packed int4 or int8 weight (a pack8 one: with its code sums)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("dm"), pybind11::arg("sums") = pybind11::none());
   m.def("pack8", &amx::pack8, "int8 codes with scales -> the int8-rows layout, scales and code sums");
   m.def("mm8", &amx::mm8, "bf16 rows, quantized to int8, times a pack8 weight");
   m.def("decode_stack", &decode_stack, "a decoder stack's decode or verification pass, every layer in one call");

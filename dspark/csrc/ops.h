@@ -23,7 +23,8 @@ at::Tensor markov_walk(const at::Tensor& base, const at::Tensor& w1, const at::T
 namespace dspark::amx {  // quant_amx.cpp
 bool enable();
 std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m);
-at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm);
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,
+              const std::optional<at::Tensor>& sums = std::nullopt);
 std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d);
 at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& wsum);
 }  // namespace dspark::amx

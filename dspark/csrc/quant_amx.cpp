@@ -224,8 +224,11 @@ std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std
   return {packed, dm};
 }
 
-// y [M, N] bf16 = x [M, K] bf16 @ w.T, w from pack().
-at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm) {
+// y [M, N] bf16 = x [M, K] bf16 @ w.T, w from pack(); or, given pack8()'s code sums (not
+// empty), from pack8() with the rows quantized to int8 (mm8).
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,
+              const std::optional<at::Tensor>& sums) {
+  if (sums.has_value() && sums->numel() > 0) return mm8(x_in, packed, dm, *sums);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "mm: x must be [M, K] bf16");
   const int64_t rows = x_in.size(0), k = x_in.size(1), g = k / kGroup, pairs = packed.size(0) / 2;
   const int64_t n = packed.size(0) * kCols;

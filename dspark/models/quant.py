@@ -207,7 +207,7 @@ class Q8Linear(_WeightOnly):
             (packed, scale), sums = amx.pack(codes, scale), torch.empty(0, dtype=torch.int32)
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
-        self.register_buffer("sums", sums)  # empty: bf16 rows (amx.mm)
+        self.register_buffer("sums", sums)  # empty: bf16 rows
         self._attach(codes.shape, bias, torch.bfloat16, None)
 
     def amx_weights(self) -> tuple[torch.Tensor, ...] | None:
@@ -215,9 +215,7 @@ class Q8Linear(_WeightOnly):
         return (self.packed, self.scale, self.sums) if self.bias is None else None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sums.numel():
-            return self.amx.mm8(x, self.packed, self.scale, self.sums)
-        return self.amx.mm(x, self.packed, self.scale)
+        return self.amx.mm(x, self.packed, self.scale, self.sums)
 
 
 class Int8Head(Q8Linear):

@@ -25,7 +25,7 @@ def median_us(lin: Q8Linear, x: torch.Tensor, calls: int = 300) -> float:
 
 
 def main() -> None:
-    amx = cpu_ops.amx()
+    amx = cpu_ops.quant()
     if amx is None:
         raise SystemExit("no AMX kernels on this CPU (or no compiler)")
     for n in (3072, 49152):

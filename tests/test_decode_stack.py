@@ -16,7 +16,7 @@ from dspark.models import cpu_ops, fused
 from dspark.models.packed import pack_linears
 
 pytestmark = [pytest.mark.usefixtures("single_thread"),
-              pytest.mark.skipif(cpu_ops.amx() is None, reason="no AMX on this CPU (or no compiler)")]
+              pytest.mark.skipif(cpu_ops.quant() is None, reason="no AMX or VNNI+BF16 here (or no compiler)")]
 
 
 def _tokens(engine, prompts: list[list[int]], stack: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:

@@ -1,4 +1,5 @@
-"""The int4/int8 kernel on AMX tiles (dspark/csrc/quant_amx.cpp), where the CPU has AMX-BF16.
+"""The int4/int8 kernels (dspark/csrc/quant_amx.cpp), on AMX tiles where the CPU has AMX and on
+AVX512-VNNI alone where it has that and AVX512-BF16.
 
 Against a de-quantized reference, rows independent of their batch (up to the padded multi-tile
 path), which kernel an int4 linear picks, clear errors on bad input, and greedy speculative output
@@ -16,7 +17,7 @@ from dspark.models.packed import PackedHead
 from dspark.models.quant import Int4Linear, Int8Head, quantize_int4, quantize_q8_0
 
 pytestmark = [pytest.mark.usefixtures("single_thread"),
-              pytest.mark.skipif(cpu_ops.amx() is None, reason="no AMX-BF16 on this CPU (or no compiler)")]
+              pytest.mark.skipif(cpu_ops.quant() is None, reason="no AMX or VNNI+BF16 here (or no compiler)")]
 
 
 def _int4(n: int, k: int, seed: int = 0):  # noqa: ANN202
@@ -71,24 +72,42 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 
 
 def test_which_kernel_an_int4_linear_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AMX for bf16 with output widths in pairs of 16 columns; torch's kernel for fp16/fp32, other
-    widths, or DSPARK_CPU_AMX=0 (whose outputs agree with the AMX one within bf16 rounding)."""
+    """The kernel for bf16 with output widths in pairs of 16 columns; torch's kernel for fp16/fp32,
+    other widths, or DSPARK_CPU_OPS=0 (whose outputs agree with ours within bf16 rounding)."""
     qw = _int4(64, 128)
     assert Int4Linear(qw, None, torch.bfloat16).amx is not None
     assert Int4Linear(qw, None, torch.float16).amx is None
     assert Int4Linear(qw, None, torch.float32).amx is None
     assert Int4Linear(_int4(48, 128), None, torch.bfloat16).amx is None
-    monkeypatch.setenv("DSPARK_CPU_AMX", "0")
+    monkeypatch.setenv("DSPARK_CPU_OPS", "0")
     off = Int4Linear(qw, None, torch.bfloat16)
     assert off.amx is None
-    monkeypatch.delenv("DSPARK_CPU_AMX")
+    monkeypatch.delenv("DSPARK_CPU_OPS")
     x = torch.randn(3, 128).bfloat16()
     on = Int4Linear(qw, None, torch.bfloat16)(x).float()
     torch.testing.assert_close(off(x).float(), on, atol=0.02 * on.abs().max().item(), rtol=0)
 
 
+@pytest.mark.skipif(cpu_ops.quant_kind() != "amx", reason="no AMX tiles on this CPU: only the VNNI build")
+def test_vnni_build_gives_the_tile_paths_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSPARK_CPU_AMX=0 on an AMX CPU loads the build a CPU with VNNI alone gets (every row count on
+    VNNI): int4 and int8-row products give every row the same bits as the tile build's."""
+    qw = _int4(64, 128)
+    x = torch.randn(40, 128).bfloat16()
+    codes, scale = quantize_q8_0(torch.randn(64, 128) * 0.05)
+    tiles = cpu_ops.quant()
+    want = Int4Linear(qw, None, torch.bfloat16)(x), tiles.mm8(x, *tiles.pack8(codes, scale))
+    monkeypatch.setenv("DSPARK_CPU_AMX", "0")
+    vnni = cpu_ops.quant()
+    assert vnni is not tiles and cpu_ops.quant_kind() == "vnni"
+    lin = Int4Linear(qw, None, torch.bfloat16)
+    assert lin.amx is vnni
+    assert torch.equal(lin(x), want[0])
+    assert torch.equal(vnni.mm8(x, *vnni.pack8(codes, scale)), want[1])
+
+
 def test_bad_input_is_a_clear_error() -> None:
-    amx = cpu_ops.amx()
+    amx = cpu_ops.quant()
     q = torch.randint(0, 16, (48, 64), dtype=torch.uint8)
     s = torch.ones(48, 2)
     with pytest.raises(RuntimeError, match="N must divide by 32 and K by 32"):
@@ -132,7 +151,7 @@ def test_int8_head_matches_q8_0_reference(rows: int, int8_rows: bool) -> None:
     deq = (codes.double().view(96, 4, 32) * scale.double()[..., None]).view(96, 128)
     assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6  # half a step at most
     lin = torch.nn.Linear(128, 96, bias=False).bfloat16()
-    head = Int8Head(lin, codes, scale, cpu_ops.amx(), int8_rows=int8_rows)
+    head = Int8Head(lin, codes, scale, cpu_ops.quant(), int8_rows=int8_rows)
     assert head.weight is lin.weight
     x = torch.randn(rows, 128).bfloat16()
     ref = (_int8_rows(x) if int8_rows else x.double()) @ deq.t()
@@ -210,7 +229,7 @@ def test_int8_rows_match_reference_and_do_not_depend_on_the_batch(rows: int) -> 
     b = torch.randn(96, generator=g).bfloat16()
     codes, scale = quantize_q8_0(w)
     deq = (codes.double().view(96, 5, 32) * scale.double()[..., None]).view(96, 160)
-    lin = Q8Linear(codes, scale, cpu_ops.amx(), b, int8_rows=True)
+    lin = Q8Linear(codes, scale, cpu_ops.quant(), b, int8_rows=True)
     x = torch.randn(rows, 160, generator=g).bfloat16()
     x[0] = 0  # a row of zeros quantizes with scale 0
     got = lin(x).double()
@@ -218,6 +237,6 @@ def test_int8_rows_match_reference_and_do_not_depend_on_the_batch(rows: int) -> 
     assert (got - ref).abs().max() <= 2 ** -8 * ref.abs().max()
     assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(rows)]), lin(x))
     with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 160"):
-        cpu_ops.amx().mm8(torch.zeros(1, 96).bfloat16(), lin.packed, lin.scale, lin.sums)
+        cpu_ops.quant().mm8(torch.zeros(1, 96).bfloat16(), lin.packed, lin.scale, lin.sums)
     with pytest.raises(RuntimeError, match="pack8 returned"):
-        cpu_ops.amx().mm8(x, lin.packed, lin.scale, lin.sums[:1])
+        cpu_ops.quant().mm8(x, lin.packed, lin.scale, lin.sums[:1])

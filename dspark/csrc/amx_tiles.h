@@ -1,6 +1,8 @@
 // The pieces the AMX/VNNI weight-only kernels share (quant_amx.cpp: int4 and int8 with bf16 rows;
 // quant_q8_rows.cpp: int8 with int8 rows): tile shapes and configuration, row quantization,
-// loads and stores.
+// loads and stores. Built with DSPARK_AMX (a CPU with AMX tiles), many rows go to the tiles; built
+// without it (AVX512-VNNI and AVX512-BF16 only, as on AMD Zen 4), every row count takes the VNNI
+// path, whose integer sums are the same exact int32 values, so a row gets the same bits either way.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,8 +20,13 @@ constexpr int kGroup = 32;   // inputs per quantization group = one tile's K (32
 constexpr int kCols = 16;    // output columns per tile
 constexpr int kTileBytes = kCols * kGroup / 2;  // packed nibbles of one (column tile, group)
 constexpr int kAhead = 8;  // groups of weights prefetched ahead
-constexpr int kVnniRows = 8;  // up to this many rows the int4 path takes VNNI, past it AMX-INT8
+#ifdef DSPARK_AMX
+constexpr int64_t kVnniRows = 8;  // up to this many rows the int4 path takes VNNI, past it AMX-INT8
+#else
+constexpr int64_t kVnniRows = INT64_MAX;  // no tiles: VNNI for every row count
+#endif
 
+#ifdef DSPARK_AMX
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -42,6 +49,7 @@ inline void configure(int rows, int a_bytes, int b_rows) {
   asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
+#endif
 
 inline __m512 half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

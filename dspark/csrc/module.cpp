@@ -1,6 +1,7 @@
-// The Python module of the CPU kernels. Built without DSPARK_AMX: the fused layer kernels
-// (cpu_ops.cpp). With it (a CPU with AMX): those, the int4/int8 matmuls (quant_amx.cpp) and the
-// whole decoder stack in one call (decode_stack.cpp), all in one library.
+// The Python module of the CPU kernels. Built without DSPARK_QUANT: the fused layer kernels
+// (cpu_ops.cpp). With it (a CPU with AMX, or with AVX512-VNNI and AVX512-BF16): those, the
+// int4/int8 matmuls (quant_amx.cpp, quant_q8_rows.cpp; on tiles where DSPARK_AMX is set too) and
+// the whole decoder stack in one call (decode_stack.cpp), all in one library.
 #include <torch/extension.h>
 
 #include "ops.h"
@@ -14,8 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &cpu::silu_mul, "silu(gate) * up of a fused gate/up output");
   m.def("rope_store", &cpu::rope_store, "rotary on q and k in place; k and v into the paged caches");
   m.def("attend", &cpu::attend, "masked attention over paged keys, one fixed order per row");
-#ifdef DSPARK_AMX
-  m.def("enable", &amx::enable, "request the AMX register state from the kernel");
+#ifdef DSPARK_QUANT
+  m.def("enable", &amx::enable, "request the AMX register state from the kernel (true without tiles)");
   m.def("pack", &amx::pack, "int4 (uint8) codes with scales and offsets, or int8 codes with scales -> the AMX layout",
         pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m") = pybind11::none());
   m.def("mm", &amx::mm, "bf16 rows times a packed int4 or int8 weight (a pack8 one: with its code sums)",

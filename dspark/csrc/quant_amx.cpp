@@ -73,11 +73,11 @@ void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_
   const int8_t* xqp = qr.xq;
   const float *dxp = qr.dx, *cxp = qr.cx;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) uint8_t btile[2][8 * 64];
-    alignas(64) int32_t ctile[2][16 * 16];
     std::vector<__m512> acc(rows * 2);
     __m512i w[2][8];
+#ifdef DSPARK_AMX
     if (!vnni) configure(static_cast<int>(std::min<int64_t>(rows, 16)), kGroup, 8);
+#endif
     for (int64_t pr = p0; pr < p1; ++pr) {
       const int64_t t = 2 * pr;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
@@ -110,6 +110,9 @@ void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_
           }
           continue;
         }
+#ifdef DSPARK_AMX
+        alignas(64) uint8_t btile[2][8 * 64];
+        alignas(64) int32_t ctile[2][16 * 16];
         for (int j = 0; j < 2; ++j)
           for (int q = 0; q < 8; ++q) _mm512_store_si512(btile[j] + 64 * q, w[j][q]);
         _tile_loadd(1, btile[0], 64);
@@ -130,13 +133,17 @@ void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_
               acc[2 * r + j] = combine(acc[2 * r + j], _mm512_load_si512(ctile[j] + 16 * i), dv[j], mv[j], d, c);
           }
         }
+#endif
       }
       store_rows(acc, rows, yp, n, t);
     }
+#ifdef DSPARK_AMX
     if (!vnni) _tile_release();
+#endif
   });
 }
 
+#ifdef DSPARK_AMX
 // int8 weights (Q8_0), bf16 activations (see the header).
 void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
              int64_t n, int64_t pairs) {
@@ -185,10 +192,53 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
   });
 }
 
+#else
+// int8 weights (Q8_0), bf16 activations (see the header), without tiles: AVX512-BF16's pair dot
+// product, the 16 tile rows of a group in order per output, one row at a time.
+void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
+             int64_t n, int64_t pairs) {
+  const int64_t k = x_in.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
+  const auto* xp = reinterpret_cast<const uint32_t*>(x_in.data_ptr<c10::BFloat16>());  // bf16 pairs
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) uint16_t btile[2][16 * 32];
+    std::vector<__m512> acc(rows * 2);
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      const int64_t t = 2 * pr;
+      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+      const uint8_t* wt[2] = {wp + t * g * tile_bytes, wp + (t + 1) * g * tile_bytes};
+      const uint16_t* dm[2] = {dmp + t * g * kCols, dmp + (t + 1) * g * kCols};
+      for (int64_t gi = 0; gi < g; ++gi) {
+        prefetch(wt[0] + (gi + kAhead) * tile_bytes, tile_bytes);
+        prefetch(wt[1] + (gi + kAhead) * tile_bytes, tile_bytes);
+        expand8(reinterpret_cast<const int8_t*>(wt[0] + gi * tile_bytes), btile[0]);
+        expand8(reinterpret_cast<const int8_t*>(wt[1] + gi * tile_bytes), btile[1]);
+        const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint32_t* xr = xp + (r * k + gi * kGroup) / 2;
+          for (int j = 0; j < 2; ++j) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int q = 0; q < 16; ++q)  // tile row q: inputs 2q, 2q + 1 of the 16 columns
+              sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[q])),
+                                     (__m512bh)_mm512_load_si512(btile[j] + 32 * q));
+            acc[2 * r + j] = _mm512_fmadd_ps(dv[j], sum, acc[2 * r + j]);
+          }
+        }
+      }
+      store_rows(acc, rows, yp, n, t);
+    }
+  });
+}
+
+#endif
+
 // Ask Linux for the AMX register state (once per process; threads inherit it). False if refused.
 bool enable() {
+#ifdef DSPARK_AMX
   constexpr long kReqPerm = 0x1023, kXtileData = 18;
   return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
+#else
+  return true;  // no tiles, nothing to ask for
+#endif
 }
 
 // codes [N, K] (uint8 in [0, 15] with offsets m: int4; int8 without: Q8_0), d and m [N, K / 32]

@@ -26,10 +26,11 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
   const int8_t* xqp = qr.xq;
   const float* dxp = qr.dx;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) int32_t ctile[2][16 * 16];
     std::vector<__m512> acc(rows * 2);
     __m512i w[2][8];
+#ifdef DSPARK_AMX
     if (!vnni) configure(static_cast<int>(std::min<int64_t>(rows, 16)), kGroup, 8);
+#endif
     for (int64_t pr = p0; pr < p1; ++pr) {
       const int64_t t = 2 * pr;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
@@ -65,6 +66,8 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
           }
           continue;
         }
+#ifdef DSPARK_AMX
+        alignas(64) int32_t ctile[2][16 * 16];
         _tile_loadd(1, wt[0] + gi * tile_bytes, 64);  // the packed layout is the B tile itself
         _tile_loadd(3, wt[1] + gi * tile_bytes, 64);
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
@@ -83,10 +86,13 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
                                                       _mm512_mul_ps(dv[j], d), acc[2 * (r0 + i) + j]);
           }
         }
+#endif
       }
       store_rows(acc, rows, yp, n, t);
     }
+#ifdef DSPARK_AMX
     if (!vnni) _tile_release();
+#endif
   });
 }
 

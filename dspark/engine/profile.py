@@ -26,9 +26,10 @@ LADDER = [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 32, 64, 128, 256]
 
 def _key(engine) -> str:
     # a small KV cache measures only part of the ladder (the fit): its profile is kept apart
-    amx = "Int4Linear" in engine.quantization and cpu_ops.amx() is not None
+    kernels = cpu_ops.quant_kind() if "Int4Linear" in engine.quantization else None
     stack = hasattr(cpu_ops.load(), "decode_stack")  # a pass in one C++ call costs less
-    raw = (f"v7|amx={amx}|stack={stack}|{engine.model_path}|{engine.device}|{engine.dtype}|{torch.get_num_threads()}"
+    raw = (f"v8|kernels={kernels}|stack={stack}|{engine.model_path}|{engine.device}|{engine.dtype}"
+           f"|{torch.get_num_threads()}"
            f"|{engine.attn.name}|graphs={bool(engine.runner.graphs)}|fit={_fit(engine.pool, LADDER)}"
            f"|linears={','.join(sorted(engine.quantization))}|tp={engine.config.tensor_parallel_size}")
     if engine.device.type == "cuda":

@@ -7,8 +7,11 @@ speculative output exact). Where the CPU has AMX, the same library also holds ``
 int4 and int8 matmuls, whose cost hardly grows with the number of rows (verification), and
 ``decode_stack.cpp``, which runs a whole decoder stack's pass in one call. The library is built
 once per machine with the system C++ compiler into ``<cache dir>/cpu_ops/`` (torch's JIT
-extension loader; about a minute) and reused after. Without a compiler, or with
-``DSPARK_CPU_OPS=0``, the model runs its pure-torch layers and torch's int4 kernel.
+extension loader; about a minute) and reused after. A CPU without AMX but with AVX512-VNNI and
+AVX512-BF16 (AMD Zen 4 and later, Intel Ice Lake and Cooper Lake) gets the same matmuls and
+decoder stack built without tiles: every row count takes the VNNI path, which gives a row the
+same bits as the tile path. Without a compiler, or with ``DSPARK_CPU_OPS=0``, the model runs its
+pure-torch layers and torch's int4 kernel.
 """
 
 from __future__ import annotations
@@ -59,11 +62,11 @@ def _build():  # noqa: ANN202 - the compiled module
 
 
 def load():  # noqa: ANN201 - the compiled module or None
-    """The compiled kernels (the AMX build where :func:`amx` has one, so that every caller runs
-    the same code), or None when disabled or when they cannot be built here."""
+    """The compiled kernels (the matmul build where :func:`quant` has one, so that every caller
+    runs the same code), or None when disabled or when they cannot be built here."""
     if not enabled():
         return None
-    return amx() or _build()
+    return quant() or _build()
 
 
 def _cpu_flags() -> set[str]:
@@ -75,25 +78,41 @@ def _cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+_AMX_FLAGS = {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512bw"}
+_VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+_QUANT_FLAGS = [*_ARCH_FLAGS["AVX512"], "-mavx512bf16", "-mavx512vnni", "-DDSPARK_QUANT"]
+
+
 @functools.cache
-def _build_amx():  # noqa: ANN202 - the compiled module
-    if not {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512bw"} <= _cpu_flags():
+def _build_quant(tiles: bool):  # noqa: ANN202 - the compiled module
+    flags = _cpu_flags()
+    if tiles and _AMX_FLAGS <= flags:
+        mod = _compile("dspark_cpu_ops_amx", AMX_SOURCES,
+                       [*_QUANT_FLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DDSPARK_AMX"])
+        if mod is None or mod.enable():
+            return mod
+        log.warning("the kernel refused this process the AMX registers; the VNNI build runs instead")
+    if not _VNNI_FLAGS <= flags:
         return None
-    mod = _compile("dspark_cpu_ops_amx", AMX_SOURCES, [*_ARCH_FLAGS["AVX512"], "-mavx512bf16", "-mavx512vnni",
-                                                       "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DDSPARK_AMX"])
-    if mod is not None and not mod.enable():
-        log.warning("the kernel refused this process the AMX registers; int4 layers use torch's kernel")
-        return None
-    return mod
+    return _compile("dspark_cpu_ops_vnni", AMX_SOURCES, _QUANT_FLAGS)
 
 
-def amx():  # noqa: ANN201 - the compiled module or None
-    """The kernels with the int4/int8 matmuls on AMX tiles (``csrc/quant_amx.cpp``) and the decoder
-    stack, where the CPU has AMX (BF16 and INT8) and AVX512-VNNI, and neither ``DSPARK_CPU_OPS=0``
-    nor ``DSPARK_CPU_AMX=0`` is set; else None."""
-    if not enabled() or os.environ.get("DSPARK_CPU_AMX", "1") == "0":
+def quant():  # noqa: ANN201 - the compiled module or None
+    """The kernels with the int4/int8 weight matmuls (``csrc/quant_amx.cpp``, ``quant_q8_rows.cpp``)
+    and the decoder stack: on AMX tiles where the CPU has AMX (BF16 and INT8) and
+    ``DSPARK_CPU_AMX=0`` is not set, else on AVX512-VNNI alone where the CPU has it and
+    AVX512-BF16; None where it has neither or ``DSPARK_CPU_OPS=0`` is set."""
+    if not enabled():
         return None
-    return _build_amx()
+    return _build_quant(os.environ.get("DSPARK_CPU_AMX", "1") != "0")
+
+
+def quant_kind() -> str | None:
+    """"amx", "vnni" or None: which build :func:`quant` is (for profiles and reports)."""
+    mod = quant()
+    if mod is None:
+        return None
+    return "amx" if "amx" in mod.__name__ else "vnni"
 
 
 def for_tensor(x: torch.Tensor):  # noqa: ANN201 - the compiled module or None

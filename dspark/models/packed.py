@@ -53,16 +53,36 @@ class RowSplit:
 class PackedLinear(nn.Module):
     """A dense bf16/fp16 linear on CPU with its weight re-laid once into oneDNN's blocked
     format; each output row depends only on its input row (checked by the tests for the
-    layer shapes), so one-row calls need no two-row detour."""
+    layer shapes), so one-row calls need no two-row detour. That holds within oneDNN's choice of
+    kernel, which follows the row count: on a CPU without AMX (AVX512-BF16 alone, as AMD Zen 4) a
+    1,536-wide input sums a row in another order from 5 rows on. So ``exact`` calls (the target's
+    layers and head) pad the rows to whole blocks of ROW_BLOCK, where every block count sums a row
+    alike; drafts need no such care (exact=False). Where oneDNN has no kernel for the dtype (fp16
+    on a CPU without AVX512-FP16 or AVX-NE-CONVERT) the weight stays as it is and torch's own
+    linear runs."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    ROW_BLOCK = 16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = True):
         super().__init__()
+        self.exact = exact
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        try:
+            packed, self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), True
+        except RuntimeError:  # "fp16 path needs the cpu support ..."
+            packed, self.onednn = weight.detach().contiguous(), False
+        self.register_buffer("packed", packed)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if not self.onednn:
+            return nn.functional.linear(x, self.packed, self.bias)
+        m = x.shape[0]
+        pad = -m % self.ROW_BLOCK if self.exact else 0
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return y[:m] if pad else y
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

@@ -145,7 +145,7 @@ class Int4Linear(_WeightOnly):
     def __init__(self, w: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype, prefill_dense: bool = False):
         super().__init__()
         cpu_bf16 = dtype == torch.bfloat16 and w.q.device.type == "cpu"
-        self.amx = cpu_ops.amx() if cpu_bf16 and w.q.shape[0] % 32 == 0 else None
+        self.amx = cpu_ops.quant() if cpu_bf16 and w.q.shape[0] % 32 == 0 else None
         if self.amx is not None:
             scale = w.scale.half().float()  # a GGUF's own fp16 scales and offsets, exactly
             offset = (w.zero.double() - 8 * w.scale.double()).half().float()
@@ -232,10 +232,10 @@ def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.M
     """The fastest inference linear for a drafter's dense weight on CPU in bf16/fp16: Q8_0 with
     int8 rows on VNNI / AMX-INT8 where the shapes allow (drafts need no bit-exactness, and Q8_0
     barely moves a weight), else a pre-packed dense one."""
-    amx = cpu_ops.amx() if weight.dtype == torch.bfloat16 else None
+    amx = cpu_ops.quant() if weight.dtype == torch.bfloat16 else None
     n, k = weight.shape
     if amx is None or n % 32 or k % GROUP:
-        return PackedLinear(weight, bias)
+        return PackedLinear(weight, bias, exact=False)
     return Q8Linear(*quantize_q8_0(weight.detach()), amx, bias, int8_rows=True)
 
 
@@ -292,7 +292,7 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
 
 def _cpu_head(head: nn.Module, quantized: bool, head_blocks) -> nn.Module:  # noqa: ANN001
     w = head.weight
-    amx = cpu_ops.amx() if quantized and w.dtype == torch.bfloat16 and getattr(head, "bias", None) is None else None
+    amx = cpu_ops.quant() if quantized and w.dtype == torch.bfloat16 and getattr(head, "bias", None) is None else None
     if amx is None or w.shape[0] % 32 or w.shape[1] % GROUP:
         return PackedHead(head)
     codes, scale = head_blocks if head_blocks is not None else quantize_q8_0(w.detach())

@@ -497,6 +497,18 @@ inline std::pair<float, int64_t> biased_argmax(const float* base, const float* e
 #if defined(__AVX512F__)
   if (v1 - v0 >= kLanes) {
     LaneMax lanes(-std::numeric_limits<float>::infinity(), v0);
+    // four vectors of columns at a time: four independent chains of rank FMAs keep the FMA units
+    // busy where one chain waits out each FMA's latency; each is folded in column order
+    for (; v + 4 * kLanes <= v1; v += 4 * kLanes) {
+      __m512 acc[4];
+      for (int c = 0; c < 4; ++c) acc[c] = _mm512_loadu_ps(base + v + c * kLanes);
+      for (int64_t j = 0; j < rank; ++j) {
+        const __m512 ej = _mm512_set1_ps(e[j]);
+        const float* w = wt + j * V + v;
+        for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(ej, _mm512_loadu_ps(w + c * kLanes), acc[c]);
+      }
+      for (int c = 0; c < 4; ++c) lanes.step(acc[c]);
+    }
     for (; v + kLanes <= v1; v += kLanes) {
       __m512 acc = _mm512_loadu_ps(base + v);
       for (int64_t j = 0; j < rank; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), _mm512_loadu_ps(wt + j * V + v), acc);

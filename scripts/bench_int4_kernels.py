@@ -1,4 +1,5 @@
-"""The int4 kernels side by side: AMX (csrc/quant_amx.cpp) and torch's `_weight_int4pack_mm_for_cpu`.
+"""The int4 kernels side by side: ours (csrc/quant_amx.cpp: AMX tiles, or VNNI where the CPU has no
+AMX) and torch's `_weight_int4pack_mm_for_cpu`.
 
 Per linear of SmolLM2-135M's shapes (random weights, bf16, alone in a loop: the weights stay in
 cache), then all 120 linears of the model in a row (cold from memory, as in a real pass); the best
@@ -30,17 +31,17 @@ def best_of(calls: list[tuple[Int4Linear, torch.Tensor]], repeats: int) -> float
 
 
 def layers(kind: str, shapes: list[tuple[int, int]]) -> list[Int4Linear]:
-    before = os.environ.get("DSPARK_CPU_AMX")
-    os.environ["DSPARK_CPU_AMX"] = "1" if kind == "amx" else "0"
+    before = os.environ.get("DSPARK_CPU_OPS")
+    os.environ["DSPARK_CPU_OPS"] = "1" if kind == "amx" else "0"
     try:
         made = [Int4Linear(quantize_int4(torch.randn(n, k) * 0.05), None, torch.bfloat16) for n, k in shapes]
     finally:
         if before is None:
-            os.environ.pop("DSPARK_CPU_AMX")
+            os.environ.pop("DSPARK_CPU_OPS")
         else:
-            os.environ["DSPARK_CPU_AMX"] = before
+            os.environ["DSPARK_CPU_OPS"] = before
     if kind == "amx" and made[0].amx is None:
-        raise SystemExit("no AMX kernel on this machine")
+        raise SystemExit("no AMX or VNNI kernel on this machine")
     return made
 
 

@@ -27,7 +27,7 @@ def median_us(lin: Q8Linear, x: torch.Tensor, calls: int = 300) -> float:
 def main() -> None:
     amx = cpu_ops.quant()
     if amx is None:
-        raise SystemExit("no AMX kernels on this CPU (or no compiler)")
+        raise SystemExit("no AMX or VNNI kernels on this CPU (or no compiler)")
     for n in (3072, 49152):
         codes, scale = quantize_q8_0(torch.randn(n, 576) * 0.05)
         bf16, int8 = Q8Linear(codes, scale, amx), Q8Linear(codes, scale, amx, int8_rows=True)

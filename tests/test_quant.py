@@ -52,8 +52,8 @@ def test_quantized_matmul_matches_dequantized_reference(bits: int, dtype: torch.
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """y = x W^T with W de-quantized, in float64: fp32 agrees to 1e-5 relative; bf16 within
     2^-7 of the output scale (the kernel's bf16 scales and its rounding of the result). torch's
-    kernels (the AMX one, which quantizes the rows too, is checked in test_quant_amx.py)."""
-    monkeypatch.setenv("DSPARK_CPU_AMX", "0")
+    kernels (ours, which quantize the rows too, are checked in test_quant_amx.py)."""
+    monkeypatch.setenv("DSPARK_CPU_OPS", "0")
     w = _weights()
     qw = quantize_int4(w) if bits == 4 else quantize_int8(w)
     lin = Int4Linear(qw, None, dtype) if bits == 4 else Int8Linear(qw, None, dtype)
@@ -72,18 +72,21 @@ def test_quantized_matmul_matches_dequantized_reference(bits: int, dtype: torch.
 
 
 @pytest.mark.parametrize("shape", [(576, 576), (576, 1536)], ids=["576x576", "576x1536"])
-@pytest.mark.parametrize("make", ["int4", "int8", "packed"])
+@pytest.mark.parametrize("make", ["int4", "int8", "packed", "packed-fp16"])
 def test_rows_do_not_depend_on_the_batch(make: str, shape: tuple[int, int]) -> None:
     """A row computed alone equals the same row inside 2..64-row batches, bit for bit: what keeps a
     decoded token and the same token verified in a chain equal (SmolLM2's shapes; oneDNN's
-    pre-packed kernel can reorder a row's sum past ~128 rows, the weight-only kernels never)."""
+    pre-packed kernel picks its summation order by row count, so exact calls pad to 16-row blocks;
+    fp16 where oneDNN has no kernel takes torch's linear, padded alike)."""
     w = _weights(*shape, seed=1)
+    dtype = torch.float16 if make == "packed-fp16" else torch.bfloat16
     lin = {"int4": lambda: Int4Linear(quantize_int4(w), None, torch.bfloat16),
            "int8": lambda: Int8Linear(quantize_int8(w), None, torch.bfloat16),
-           "packed": lambda: PackedLinear(w.bfloat16(), None)}[make]()
-    x = torch.randn(64, shape[1]).bfloat16()
+           "packed": lambda: PackedLinear(w.bfloat16(), None),
+           "packed-fp16": lambda: PackedLinear(w.half(), None)}[make]()
+    x = torch.randn(64, shape[1]).to(dtype)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(64)])
-    for m in (2, 9, 17, 33, 64):
+    for m in (2, 5, 9, 17, 33, 64):
         assert torch.equal(lin(x[:m]), alone[:m]), m
 
 

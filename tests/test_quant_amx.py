@@ -160,25 +160,25 @@ def test_int8_head_matches_q8_0_reference(rows: int, int8_rows: bool) -> None:
     assert torch.equal(torch.cat([head(x[i:i + 1]) for i in range(rows)]), head(x))
 
 
-def test_drafter_linears_run_q8_0_on_amx(folders) -> None:  # noqa: ANN001
-    """A bf16 drafter's backbone, context projection and reduced head run as Q8_0 on AMX (its bias
-    kept), within a Q8_0 step of the dense product; shapes the kernel cannot take stay dense."""
+def test_drafter_linears_run_int4(folders) -> None:  # noqa: ANN001
+    """A bf16 drafter's backbone, context projection and reduced head run as int4 groups of 32 on
+    our kernel (its bias kept), within an int4 step of the dense product; shapes the kernel cannot
+    take stay dense."""
     from dspark.models.packed import PackedLinear
-    from dspark.models.quant import Q8Linear, draft_linear
+    from dspark.models.quant import draft_linear
 
     w, b = torch.randn(64, 96).bfloat16() * 0.05, torch.randn(64).bfloat16()
     lin = draft_linear(w, b)
-    assert isinstance(lin, Q8Linear)
+    assert isinstance(lin, Int4Linear) and lin.amx is not None
     x = torch.randn(3, 5, 96).bfloat16()
     ref = x.double() @ w.double().t() + b.double()
     assert lin(x).shape == (3, 5, 64)
-    assert (lin(x).double() - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert (lin(x).double() - ref).abs().max() <= 0.1 * ref.abs().max()
     assert isinstance(draft_linear(torch.randn(48, 96).bfloat16()), PackedLinear)  # 48 columns: no tile pair
     assert isinstance(draft_linear(torch.randn(64, 96).half()), PackedLinear)
     spec = make_engine(folders["target"], folders["dspark"], quantization="int4", dtype="bfloat16")
     drafter = spec.spec.proposer.drafter
-    assert isinstance(drafter.fc, Q8Linear) and isinstance(drafter.layers[0].mlp.down_proj, Q8Linear)
-    assert drafter.fc.sums.numel()  # int8 rows
+    assert isinstance(drafter.fc, Int4Linear) and isinstance(drafter.layers[0].mlp.down_proj, Int4Linear)
 
 
 def test_gguf_head_blocks_are_the_files_own(tmp_path) -> None:  # noqa: ANN001

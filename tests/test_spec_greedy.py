@@ -344,8 +344,10 @@ def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_p
     st = engine.spec_stats  # every request's steps that verified a lookup, and what they kept
     assert 0 < st.lookup_steps <= sum(looked) and st.lookup_accepted <= st.accepted
     assert sum(o.stats.lookup_steps for o in outs) <= st.lookup_steps
-    assert sum(spec.assist.reached) > 0 and spec.assist.prior(4).tolist() != [0.5] * 4
     if policy == "fixed":  # load-aware admits what pays at this model's measured (noisy) costs
+        # the prior learns from what verified chains reached (1 accepted of 2 reached is 0.5 too)
+        reached, accepted = spec.assist.reached[0], spec.assist.accepted[0]
+        assert reached > 0 and spec.assist.prior(4)[0].item() == pytest.approx((accepted + 1) / (reached + 2))
         assert st.lookup_accepted > 0
         assert spec.block_size < longest[0] <= 20
     # finished requests keep no lookup index and no grown span

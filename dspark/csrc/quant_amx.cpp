@@ -1,6 +1,8 @@
 // Weight-only int4 and int8 matmul on Intel AMX tiles, for decode and verification rows (int4: the
-// decoder layers; int8: the LM head and drafters, as a GGUF's Q8_0 blocks, with int8 rows in
-// quant_q8_rows.cpp or bf16 rows in mm_int8 here; shared pieces in amx_tiles.h).
+// decoder layers and drafters; int8: the LM head, as a GGUF's Q8_0 blocks, with int8 rows in
+// quant_q8_rows.cpp or bf16 rows in mm_int8 here; shared pieces in amx_tiles.h). Built without
+// DSPARK_AMX, for a CPU with AVX512-VNNI and AVX512-BF16 but no tiles, every row count takes the
+// VNNI path below (and mm_int8 AVX512-BF16's pair dot product).
 //
 // Why: torch's int4 CPU kernel works through the weights once per block of 4 rows, so verifying a
 // block of draft tokens costs several decode steps. AMX multiplies a 16-row tile for about the
@@ -198,7 +200,7 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
 void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
              int64_t n, int64_t pairs) {
   const int64_t k = x_in.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
-  const auto* xp = reinterpret_cast<const uint32_t*>(x_in.data_ptr<c10::BFloat16>());  // bf16 pairs
+  const auto* xp = x_in.data_ptr<c10::BFloat16>();
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) uint16_t btile[2][16 * 32];
     std::vector<__m512> acc(rows * 2);
@@ -214,12 +216,15 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
         expand8(reinterpret_cast<const int8_t*>(wt[1] + gi * tile_bytes), btile[1]);
         const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
         for (int64_t r = 0; r < rows; ++r) {
-          const uint32_t* xr = xp + (r * k + gi * kGroup) / 2;
+          const c10::BFloat16* xr = xp + r * k + gi * kGroup;
           for (int j = 0; j < 2; ++j) {
             __m512 sum = _mm512_setzero_ps();
-            for (int q = 0; q < 16; ++q)  // tile row q: inputs 2q, 2q + 1 of the 16 columns
-              sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[q])),
+            for (int q = 0; q < 16; ++q) {  // tile row q: inputs 2q, 2q + 1 of the 16 columns
+              int32_t pair;
+              std::memcpy(&pair, xr + 2 * q, 4);
+              sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(pair),
                                      (__m512bh)_mm512_load_si512(btile[j] + 32 * q));
+            }
             acc[2 * r + j] = _mm512_fmadd_ps(dv[j], sum, acc[2 * r + j]);
           }
         }

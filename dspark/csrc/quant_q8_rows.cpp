@@ -1,4 +1,4 @@
-// Q8_0 weights times int8 rows on VNNI and AMX-INT8 (see mm_q8_rows), for the LM head and drafters.
+// Q8_0 weights times int8 rows on VNNI and AMX-INT8 (see mm_q8_rows), for the LM head.
 #include "amx_tiles.h"
 #include "ops.h"
 

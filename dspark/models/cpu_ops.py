@@ -8,7 +8,7 @@ int4 and int8 matmuls, whose cost hardly grows with the number of rows (verifica
 ``decode_stack.cpp``, which runs a whole decoder stack's pass in one call. The library is built
 once per machine with the system C++ compiler into ``<cache dir>/cpu_ops/`` (torch's JIT
 extension loader; about a minute) and reused after. A CPU without AMX but with AVX512-VNNI and
-AVX512-BF16 (AMD Zen 4 and later, Intel Ice Lake and Cooper Lake) gets the same matmuls and
+AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake) gets the same matmuls and
 decoder stack built without tiles: every row count takes the VNNI path, which gives a row the
 same bits as the tile path. Without a compiler, or with ``DSPARK_CPU_OPS=0``, the model runs its
 pure-torch layers and torch's int4 kernel.
@@ -89,9 +89,10 @@ def _build_quant(tiles: bool):  # noqa: ANN202 - the compiled module
     if tiles and _AMX_FLAGS <= flags:
         mod = _compile("dspark_cpu_ops_amx", AMX_SOURCES,
                        [*_QUANT_FLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DDSPARK_AMX"])
-        if mod is None or mod.enable():
+        if mod is not None and mod.enable():
             return mod
-        log.warning("the kernel refused this process the AMX registers; the VNNI build runs instead")
+        log.warning("no AMX build here (no compiler support, or the kernel refused the AMX registers); "
+                    "trying the VNNI build")
     if not _VNNI_FLAGS <= flags:
         return None
     return _compile("dspark_cpu_ops_vnni", AMX_SOURCES, _QUANT_FLAGS)

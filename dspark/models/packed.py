@@ -75,13 +75,14 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.onednn:
-            return nn.functional.linear(x, self.packed, self.bias)
         m = x.shape[0]
         pad = -m % self.ROW_BLOCK if self.exact else 0
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.onednn:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            y = nn.functional.linear(x, self.packed, self.bias)
         return y[:m] if pad else y
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:

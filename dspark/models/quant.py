@@ -17,7 +17,8 @@ their weights:
 Every kernel here computes each output row from its input row alone, in the same order whatever
 the number of rows, so a token decoded alone and the same token verified in a chain get the same
 bits: speculative output stays equal to plain output of the same quantized model. The embedding
-stays dense; so does the LM head, except on AMX with quantized layers, where it runs as int8
+stays dense; so does the LM head, except where ``cpu_ops.quant()`` has kernels (AMX, or
+AVX512-VNNI with AVX512-BF16) and the layers are quantized: there it runs as int8
 with int8 rows (``Int8Head``, a Q8_0 product as llama.cpp runs it) and keeps its dense weight
 for drafters that read it.
 """
@@ -136,9 +137,10 @@ class _WeightOnly(nn.Module):
 
 
 class Int4Linear(_WeightOnly):
-    """Weight-only int4 linear over groups of 32. In bf16 on a CPU with AMX it runs
-    ``csrc/quant_amx.cpp`` (w = scale * q + offset with fp16 scales, as GGUF's; one pass over the
-    weights serves up to 16 rows at about the cost of one); elsewhere torch's packed CPU kernel,
+    """Weight-only int4 linear over groups of 32. In bf16 on a CPU with AMX or AVX512-VNNI it runs
+    ``csrc/quant_amx.cpp`` (w = scale * q + offset with fp16 scales, as GGUF's; on AMX one pass
+    over the weights serves up to 16 rows at about the cost of one, on VNNI alone each row adds a
+    fraction of a decode step); elsewhere torch's packed CPU kernel,
     which reads scales and offsets in the activation dtype. prefill_dense keeps a pre-packed dense
     copy (de-quantized from the same codes and scales) for prompt rows."""
 
@@ -190,8 +192,9 @@ class Int8Linear(_WeightOnly):
 
 
 class Q8Linear(_WeightOnly):
-    """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles, bf16 in
-    and out: half a bf16 weight's bytes read per call, at a cost that hardly grows up to 16 rows.
+    """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles or VNNI,
+    bf16 in and out: half a bf16 weight's bytes read per call, at a cost that hardly grows up to
+    16 rows on AMX.
     Each row's result depends on that row alone, so prompt rows need no dense copy. int8_rows:
     the rows are quantized to int8 per group of 32 too (``amx.mm8``, as llama.cpp runs a Q8_0
     product; several times faster at a few rows, where expanding the codes to bf16 bounds the
@@ -229,14 +232,16 @@ class Int8Head(Q8Linear):
 
 
 def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-    """The fastest inference linear for a drafter's dense weight on CPU in bf16/fp16: Q8_0 with
-    int8 rows on VNNI / AMX-INT8 where the shapes allow (drafts need no bit-exactness, and Q8_0
-    barely moves a weight), else a pre-packed dense one."""
+    """The fastest inference linear for a drafter's dense weight on CPU in bf16: int4 in groups of
+    32 (as a GGUF's Q4_1) with int8 rows on VNNI / AMX-INT8 where the shapes allow, else a
+    pre-packed dense one. Drafts need no bit-exactness, and a drafter pass at batch 1 is mostly
+    reading its weights: int4 halves the bytes of Q8_0 (the drafter pass ~25% faster on a Zen 4
+    CPU) for about 0.5% of tau (docs/quantization.md)."""
     amx = cpu_ops.quant() if weight.dtype == torch.bfloat16 else None
     n, k = weight.shape
     if amx is None or n % 32 or k % GROUP:
         return PackedLinear(weight, bias, exact=False)
-    return Q8Linear(*quantize_q8_0(weight.detach()), amx, bias, int8_rows=True)
+    return Int4Linear(quantize_int4(weight.detach().float()), bias, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- applying a mode
@@ -253,7 +258,7 @@ def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torc
 def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[str, object]] | None = None,
                    head_blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """Swap the decoder layers' linears of ``model`` (already on its device and dtype) for the
-    kernels ``mode`` asks for, and the LM head on CPU for an int8 one on AMX (when the layers are
+    kernels ``mode`` asks for, and the LM head on CPU for an int8 one on AMX/VNNI (when the layers are
     quantized, in bf16) or a pre-packed dense one. ``file_weights`` maps a fused linear's name
     (``layers.0.mlp.gate_up_proj``) to its GGUF parts, as returned by
     :func:`dspark.models.gguf_blocks.gguf_linear_parts`; ``head_blocks`` are the file's own Q8_0

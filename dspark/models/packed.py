@@ -50,14 +50,22 @@ class RowSplit:
         return y
 
 
+def _amx_tiles() -> bool:
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # older torch: pad, the safe side
+        return False
+
+
 class PackedLinear(nn.Module):
     """A dense bf16/fp16 linear on CPU with its weight re-laid once into oneDNN's blocked
     format; each output row depends only on its input row (checked by the tests for the
     layer shapes), so one-row calls need no two-row detour. That holds within oneDNN's choice of
     kernel, which follows the row count: on a CPU without AMX (AVX512-BF16 alone, as AMD Zen 4) a
-    1,536-wide input sums a row in another order from 5 rows on. So ``exact`` calls (the target's
-    layers and head) pad the rows to whole blocks of ROW_BLOCK, where every block count sums a row
-    alike; drafts need no such care (exact=False). Where oneDNN has no kernel for the dtype (fp16
+    1,536-wide input sums a row in another order from 5 rows on. So there ``exact`` calls (the
+    target's layers and head) pad the rows to whole blocks of ROW_BLOCK, where every block count
+    sums a row alike, at about twice a one-row call's cost; AMX CPUs keep a row's order up to ~128
+    rows unpadded, and drafts need no such care (exact=False). Where oneDNN has no kernel for the dtype (fp16
     on a CPU without AVX512-FP16 or AVX-NE-CONVERT) the weight stays as it is and torch's own
     linear runs."""
 
@@ -65,7 +73,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = True):
         super().__init__()
-        self.exact = exact
+        self.row_block = self.ROW_BLOCK if exact and not _amx_tiles() else 1
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         try:
             packed, self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), True
@@ -76,7 +84,7 @@ class PackedLinear(nn.Module):
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        pad = -m % self.ROW_BLOCK if self.exact else 0
+        pad = -m % self.row_block
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         if self.onednn:

@@ -145,22 +145,26 @@ void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_
   });
 }
 
-#ifdef DSPARK_AMX
-// int8 weights (Q8_0), bf16 activations (see the header).
+// int8 weights (Q8_0), bf16 activations (see the header). Without tiles, AVX512-BF16's pair dot
+// product takes a group's 16 tile rows in order per output, one row at a time.
 void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
              int64_t n, int64_t pairs) {
   const int64_t k = x_in.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
+  at::Tensor x = x_in;
+#ifdef DSPARK_AMX
   // more than one tile of rows: pad to whole tiles (zero rows cost the tile unit nothing per row)
   const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
   const int64_t padded = rows <= 16 ? rows : (rows + 15) / 16 * 16;
-  at::Tensor x = x_in;
   if (padded != rows) x = at::cat({x, at::zeros({padded - rows, k}, x.options())});
+#endif
   const auto* xp = x.data_ptr<c10::BFloat16>();
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) uint16_t btile[2][16 * 32];
-    alignas(64) float ctile[2][16 * 16];
     std::vector<__m512> acc(rows * 2);
+#ifdef DSPARK_AMX
+    alignas(64) float ctile[2][16 * 16];
     configure(tile_rows, 64, 16);
+#endif
     for (int64_t pr = p0; pr < p1; ++pr) {
       const int64_t t = 2 * pr;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
@@ -171,9 +175,10 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
         prefetch(wt[1] + (gi + kAhead) * tile_bytes, tile_bytes);
         expand8(reinterpret_cast<const int8_t*>(wt[0] + gi * tile_bytes), btile[0]);
         expand8(reinterpret_cast<const int8_t*>(wt[1] + gi * tile_bytes), btile[1]);
+        const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
+#ifdef DSPARK_AMX
         _tile_loadd(1, btile[0], 64);
         _tile_loadd(3, btile[1], 64);
-        const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
           _tile_loadd(0, xp + r0 * k + gi * kGroup, k * 2);
           _tile_zero(2);
@@ -187,34 +192,7 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
             for (int j = 0; j < 2; ++j)
               acc[2 * (r0 + i) + j] = _mm512_fmadd_ps(dv[j], _mm512_load_ps(ctile[j] + 16 * i), acc[2 * (r0 + i) + j]);
         }
-      }
-      store_rows(acc, rows, yp, n, t);
-    }
-    _tile_release();
-  });
-}
-
 #else
-// int8 weights (Q8_0), bf16 activations (see the header), without tiles: AVX512-BF16's pair dot
-// product, the 16 tile rows of a group in order per output, one row at a time.
-void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
-             int64_t n, int64_t pairs) {
-  const int64_t k = x_in.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
-  const auto* xp = x_in.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) uint16_t btile[2][16 * 32];
-    std::vector<__m512> acc(rows * 2);
-    for (int64_t pr = p0; pr < p1; ++pr) {
-      const int64_t t = 2 * pr;
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      const uint8_t* wt[2] = {wp + t * g * tile_bytes, wp + (t + 1) * g * tile_bytes};
-      const uint16_t* dm[2] = {dmp + t * g * kCols, dmp + (t + 1) * g * kCols};
-      for (int64_t gi = 0; gi < g; ++gi) {
-        prefetch(wt[0] + (gi + kAhead) * tile_bytes, tile_bytes);
-        prefetch(wt[1] + (gi + kAhead) * tile_bytes, tile_bytes);
-        expand8(reinterpret_cast<const int8_t*>(wt[0] + gi * tile_bytes), btile[0]);
-        expand8(reinterpret_cast<const int8_t*>(wt[1] + gi * tile_bytes), btile[1]);
-        const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
         for (int64_t r = 0; r < rows; ++r) {
           const c10::BFloat16* xr = xp + r * k + gi * kGroup;
           for (int j = 0; j < 2; ++j) {
@@ -228,13 +206,15 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
             acc[2 * r + j] = _mm512_fmadd_ps(dv[j], sum, acc[2 * r + j]);
           }
         }
+#endif
       }
       store_rows(acc, rows, yp, n, t);
     }
+#ifdef DSPARK_AMX
+    _tile_release();
+#endif
   });
 }
-
-#endif
 
 // Ask Linux for the AMX register state (once per process; threads inherit it). False if refused.
 bool enable() {

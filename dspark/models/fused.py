@@ -6,11 +6,12 @@ call, one attention call and one SwiGLU call. Used for every inference pass on C
 kernels are available and the attention backend is the torch one, so a decoded token and the
 same token verified always take this path.
 
-Where every linear is an int4/int8 product of ``cpu_ops.quant()`` (``amx_weights``), the pass has no prompt rows
-and every attention group is a short one, the whole loop runs in C++ (``csrc/decode_stack.cpp``):
-the same kernels in the same order, so the same bits, without the Python between them. Which
-layers qualify is worked out once per stack and kept on its ``layers`` list; code that swaps a
-stack's modules afterwards calls :func:`forget_stack` (the quantizer and the packers do).
+Where every linear is an int4/int8 product of ``cpu_ops.quant()`` (``amx_weights``), the pass has
+no prompt rows and every attention group is a short one, the whole loop runs in C++
+(``csrc/decode_stack.cpp``): the same kernels in the same order, so the same bits, without the
+Python between them. Which layers qualify is worked out once per stack and kept on its ``layers``
+list; code that swaps a stack's modules afterwards calls :func:`forget_stack` (the quantizer and
+the packers do).
 """
 
 from __future__ import annotations

@@ -65,9 +65,9 @@ class PackedLinear(nn.Module):
     1,536-wide input sums a row in another order from 5 rows on. So there ``exact`` calls (the
     target's layers and head) pad the rows to whole blocks of ROW_BLOCK, where every block count
     sums a row alike, at about twice a one-row call's cost; AMX CPUs keep a row's order up to ~128
-    rows unpadded, and drafts need no such care (exact=False). Where oneDNN has no kernel for the dtype (fp16
-    on a CPU without AVX512-FP16 or AVX-NE-CONVERT) the weight stays as it is and torch's own
-    linear runs."""
+    rows unpadded, and drafts need no such care (exact=False). Where oneDNN has no kernel for the
+    dtype (fp16 on a CPU without AVX512-FP16 or AVX-NE-CONVERT) the weight stays as it is and
+    torch's own linear runs."""
 
     ROW_BLOCK = 16
 

@@ -1,4 +1,5 @@
-"""The decoder stack in one C++ call (dspark/csrc/decode_stack.cpp), where the CPU has AMX.
+"""The decoder stack in one C++ call (dspark/csrc/decode_stack.cpp), where the CPU has the int4
+kernels (AMX, AVX512-VNNI with AVX512-BF16, or AVX2 in float32).
 
 It must give the Python loop's bits (the same kernels in the same order): greedy tokens of a plain
 int4 target, and of DSpark speculation (the drafter's block passes, with q/k norms, and the
@@ -16,7 +17,8 @@ from dspark.models import cpu_ops, fused
 from dspark.models.packed import pack_linears
 
 pytestmark = [pytest.mark.usefixtures("single_thread"),
-              pytest.mark.skipif(cpu_ops.quant() is None, reason="no AMX or VNNI+BF16 here (or no compiler)")]
+              pytest.mark.skipif(cpu_ops.quant() is None, reason="no AMX, VNNI+BF16 or AVX2 here (or no compiler)")]
+DT_NAME = str(cpu_ops.quant_dtype()).removeprefix("torch.")
 
 
 def _tokens(engine, prompts: list[list[int]], stack: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
@@ -34,7 +36,7 @@ def test_stack_gives_the_python_loops_tokens(folders, drafter: str, monkeypatch:
     """Same greedy tokens and, with a drafter, the same accepted drafts (so the same proposals) with
     the stack as with the Python loop; both models' stacks are planned."""
     engine = make_engine(folders["target"], folders[drafter] if drafter != "none" else "none",
-                         quantization="int4", dtype="bfloat16")
+                         quantization="int4", dtype=DT_NAME)
     ops = cpu_ops.load()
     assert fused.stack_plan(engine.runner.model, ops) is not None
     if drafter != "none":
@@ -53,11 +55,12 @@ def test_which_stacks_qualify(folders) -> None:  # noqa: ANN001
     """Dense (pre-packed) layers keep the Python loop; a stack whose linears are swapped after its
     plan was made is planned again (the packers and the quantizer forget the old plan)."""
     ops = cpu_ops.load()
-    dense = make_engine(folders["target"], "none", quantization="none", dtype="bfloat16").runner.model
+    dense = make_engine(folders["target"], "none", quantization="none", dtype=DT_NAME).runner.model
     assert fused.stack_plan(dense, ops) is None
-    model = make_engine(folders["target"], "none", quantization="int4", dtype="bfloat16").runner.model
+    model = make_engine(folders["target"], "none", quantization="int4", dtype=DT_NAME).runner.model
     assert fused.stack_plan(model, ops) is not None
     layer = model.layers[0].mlp
-    layer.down_proj = torch.nn.Linear(layer.down_proj.in_features, layer.down_proj.out_features).bfloat16()
+    dense_down = torch.nn.Linear(layer.down_proj.in_features, layer.down_proj.out_features)
+    layer.down_proj = dense_down.to(cpu_ops.quant_dtype())
     pack_linears(model.layers)  # -> a dense pre-packed linear, and the plan is dropped
     assert fused.stack_plan(model, ops) is None

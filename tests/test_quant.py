@@ -19,6 +19,7 @@ from gguf.quants import dequantize, quantize
 from spec_helpers import alphabet_prompts, make_engine, run_requests
 
 from dspark.config import EngineConfig, SamplingParams
+from dspark.models import cpu_ops
 from dspark.models.gguf_blocks import gguf_blocks
 from dspark.models.packed import PackedLinear
 from dspark.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
@@ -127,7 +128,13 @@ def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch
     want = Int8Linear if kind == T.Q8_0 else Int4Linear
     auto = Engine(EngineConfig(model=str(src), device="cpu", dtype="bfloat16", quantization="auto"))
     assert set(auto.quantization) == {want.__name__} and auto.quantization[want.__name__]["count"] == 8
-    # float32 (exact arithmetic to compare): auto stays dense there, so the kind is asked for
+    # float32: auto keeps Q4 blocks only where the AVX2 kernels take float32 rows
+    fp32 = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32", quantization="auto"))
+    ours = cpu_ops.quant_dtype() == torch.float32 and kind != T.Q8_0
+    assert set(fp32.quantization) == {"Int4Linear" if ours else "Linear"}
+    # exact arithmetic to compare: torch's kernels (ours read rows as int8), where auto stays dense
+    # in float32, so the kind is asked for
+    monkeypatch.setenv("DSPARK_CPU_OPS", "0")
     dense = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32", quantization="auto"))
     assert set(dense.quantization) == {"Linear"}
     kept = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32",

@@ -1,5 +1,6 @@
-"""The int4/int8 kernels (dspark/csrc/quant_amx.cpp), on AMX tiles where the CPU has AMX and on
-AVX512-VNNI alone where it has that and AVX512-BF16.
+"""The int4/int8 kernels: dspark/csrc/quant_amx.cpp (bf16 rows) on AMX tiles where the CPU has AMX
+and on AVX512-VNNI alone where it has that and AVX512-BF16, or quant_avx2.cpp (float32 rows) where
+the CPU has AVX2 without AVX512; each test runs on whichever build this CPU gets.
 
 Against a de-quantized reference, rows independent of their batch (up to the padded multi-tile
 path), which kernel an int4 linear picks, clear errors on bad input, and greedy speculative output
@@ -17,7 +18,9 @@ from dspark.models.packed import PackedHead
 from dspark.models.quant import Int4Linear, Int8Head, quantize_int4, quantize_q8_0
 
 pytestmark = [pytest.mark.usefixtures("single_thread"),
-              pytest.mark.skipif(cpu_ops.quant() is None, reason="no AMX or VNNI+BF16 here (or no compiler)")]
+              pytest.mark.skipif(cpu_ops.quant() is None, reason="no AMX, VNNI+BF16 or AVX2 here (or no compiler)")]
+DT = cpu_ops.quant_dtype() or torch.bfloat16  # the rows this build's kernels take
+DT_NAME = str(DT).removeprefix("torch.")
 
 
 def _int4(n: int, k: int, seed: int = 0):  # noqa: ANN202
@@ -49,9 +52,9 @@ def test_matches_dequantized_reference(rows: int) -> None:
     rows quantized to int8 per group of 32 (as llama.cpp runs Q4 weights) with the de-quantized
     weights; and within int8's rounding (1% of the scale) of the unquantized rows' product."""
     qw = _int4(96, 192)
-    lin = Int4Linear(qw, None, torch.bfloat16)
+    lin = Int4Linear(qw, None, DT)
     assert lin.amx is not None
-    x = torch.randn(rows, 192).bfloat16()
+    x = torch.randn(rows, 192).to(DT)
     got = lin(x).double()
     ref = _int8_rows(x) @ _weights_of(qw).t()
     assert (got - ref).abs().max() <= 2 ** -8 * ref.abs().max()
@@ -62,8 +65,8 @@ def test_matches_dequantized_reference(rows: int) -> None:
 def test_rows_do_not_depend_on_the_batch() -> None:
     """A row alone == the same row in batches of 2..144 rows, bit for bit (one tile of rows, and
     several tiles with the last one padded)."""
-    lin = Int4Linear(_int4(64, 1536, seed=1), None, torch.bfloat16)
-    x = torch.randn(144, 1536).bfloat16()
+    lin = Int4Linear(_int4(64, 1536, seed=1), None, DT)
+    x = torch.randn(144, 1536).to(DT)
     x[5] = 0  # a row of zeros quantizes with scale 0
     alone = torch.cat([lin(x[i:i + 1]) for i in range(144)])
     for m in (2, 9, 16, 17, 33, 144):
@@ -72,19 +75,20 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 
 
 def test_which_kernel_an_int4_linear_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel for bf16 with output widths in pairs of 16 columns; torch's kernel for fp16/fp32,
-    other widths, or DSPARK_CPU_OPS=0 (whose outputs agree with ours within bf16 rounding)."""
+    """The kernel for the build's dtype with output widths in pairs of 16 columns; torch's kernel
+    for other dtypes, other widths, or DSPARK_CPU_OPS=0 (whose outputs agree with ours within bf16
+    rounding)."""
     qw = _int4(64, 128)
-    assert Int4Linear(qw, None, torch.bfloat16).amx is not None
-    assert Int4Linear(qw, None, torch.float16).amx is None
-    assert Int4Linear(qw, None, torch.float32).amx is None
-    assert Int4Linear(_int4(48, 128), None, torch.bfloat16).amx is None
+    assert Int4Linear(qw, None, DT).amx is not None
+    for other in {torch.bfloat16, torch.float16, torch.float32} - {DT}:
+        assert Int4Linear(qw, None, other).amx is None
+    assert Int4Linear(_int4(48, 128), None, DT).amx is None
     monkeypatch.setenv("DSPARK_CPU_OPS", "0")
-    off = Int4Linear(qw, None, torch.bfloat16)
+    off = Int4Linear(qw, None, DT)
     assert off.amx is None
     monkeypatch.delenv("DSPARK_CPU_OPS")
-    x = torch.randn(3, 128).bfloat16()
-    on = Int4Linear(qw, None, torch.bfloat16)(x).float()
+    x = torch.randn(3, 128).to(DT)
+    on = Int4Linear(qw, None, DT)(x).float()
     torch.testing.assert_close(off(x).float(), on, atol=0.02 * on.abs().max().item(), rtol=0)
 
 
@@ -116,11 +120,11 @@ def test_bad_input_is_a_clear_error() -> None:
         amx.pack(q.int(), s, s)
     packed, so = amx.pack(q[:32], s[:32], s[:32])
     with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 64"):
-        amx.mm(torch.zeros(1, 96).bfloat16(), packed, so)
+        amx.mm(torch.zeros(1, 96).to(DT), packed, so)
     with pytest.raises(RuntimeError, match="x must be"):
-        amx.mm(torch.zeros(1, 64), packed, so)
+        amx.mm(torch.zeros(1, 64, dtype=torch.float64), packed, so)
     with pytest.raises(RuntimeError, match="fp16 tensor pack"):
-        amx.mm(torch.zeros(1, 64).bfloat16(), packed, so.float())
+        amx.mm(torch.zeros(1, 64).to(DT), packed, so.float())
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
@@ -129,18 +133,20 @@ def test_speculative_equals_plain_on_amx(folders, tree: bool) -> None:  # noqa: 
     decoding's tokens of that target."""
     prompts = alphabet_prompts([15, 24, 33, 40], seed=5)
     sp = SamplingParams(temperature=0.0, max_tokens=32)
-    plain = make_engine(folders["target"], "none", quantization="int4", dtype="bfloat16")
+    plain = make_engine(folders["target"], "none", quantization="int4", dtype=DT_NAME)
     layers = [m for m in plain.runner.model.modules() if isinstance(m, Int4Linear)]
     assert layers and all(m.amx is not None for m in layers)
     assert isinstance(plain.runner.model.lm_head, Int8Head)
     ref = run_requests(plain, [(p, sp, None) for p in prompts])
-    spec = make_engine(folders["target"], folders["dspark"], quantization="int4", dtype="bfloat16", tree=tree)
+    spec = make_engine(folders["target"], folders["dspark"], quantization="int4", dtype=DT_NAME, tree=tree)
     outs = run_requests(spec, [(p, sp, None) for p in prompts])
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert spec.spec_stats.accepted > 0
 
 
-@pytest.mark.parametrize("int8_rows", [True, False], ids=["int8-rows", "bf16-rows"])
+@pytest.mark.parametrize("int8_rows", [True, pytest.param(False, marks=pytest.mark.skipif(
+    DT != torch.bfloat16, reason="the AVX2 build multiplies int8 weights by int8 rows only"))],
+    ids=["int8-rows", "bf16-rows"])
 @pytest.mark.parametrize("rows", [1, 9, 17])
 def test_int8_head_matches_q8_0_reference(rows: int, int8_rows: bool) -> None:
     """The int8 head (GGUF's Q8_0 codes, one fp16 scale per 32 inputs) within bf16's rounding of
@@ -150,10 +156,10 @@ def test_int8_head_matches_q8_0_reference(rows: int, int8_rows: bool) -> None:
     codes, scale = quantize_q8_0(w)
     deq = (codes.double().view(96, 4, 32) * scale.double()[..., None]).view(96, 128)
     assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6  # half a step at most
-    lin = torch.nn.Linear(128, 96, bias=False).bfloat16()
+    lin = torch.nn.Linear(128, 96, bias=False).to(DT)
     head = Int8Head(lin, codes, scale, cpu_ops.quant(), int8_rows=int8_rows)
     assert head.weight is lin.weight
-    x = torch.randn(rows, 128).bfloat16()
+    x = torch.randn(rows, 128).to(DT)
     ref = (_int8_rows(x) if int8_rows else x.double()) @ deq.t()
     got = head(x[None])[0].double()
     assert (got - ref).abs().max() <= 2 ** -8 * ref.abs().max()
@@ -167,16 +173,16 @@ def test_drafter_linears_run_int4(folders) -> None:  # noqa: ANN001
     from dspark.models.packed import PackedLinear
     from dspark.models.quant import draft_linear
 
-    w, b = torch.randn(64, 96).bfloat16() * 0.05, torch.randn(64).bfloat16()
+    w, b = torch.randn(64, 96).to(DT) * 0.05, torch.randn(64).to(DT)
     lin = draft_linear(w, b)
     assert isinstance(lin, Int4Linear) and lin.amx is not None
-    x = torch.randn(3, 5, 96).bfloat16()
+    x = torch.randn(3, 5, 96).to(DT)
     ref = x.double() @ w.double().t() + b.double()
     assert lin(x).shape == (3, 5, 64)
     assert (lin(x).double() - ref).abs().max() <= 0.1 * ref.abs().max()
-    assert isinstance(draft_linear(torch.randn(48, 96).bfloat16()), PackedLinear)  # 48 columns: no tile pair
+    assert isinstance(draft_linear(torch.randn(48, 96).to(DT)), PackedLinear)  # 48 columns: no tile pair
     assert isinstance(draft_linear(torch.randn(64, 96).half()), PackedLinear)
-    spec = make_engine(folders["target"], folders["dspark"], quantization="int4", dtype="bfloat16")
+    spec = make_engine(folders["target"], folders["dspark"], quantization="int4", dtype=DT_NAME)
     drafter = spec.spec.proposer.drafter
     assert isinstance(drafter.fc, Int4Linear) and isinstance(drafter.layers[0].mlp.down_proj, Int4Linear)
 
@@ -226,17 +232,17 @@ def test_int8_rows_match_reference_and_do_not_depend_on_the_batch(rows: int) -> 
 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 160, generator=g) * 0.05
-    b = torch.randn(96, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).to(DT)
     codes, scale = quantize_q8_0(w)
     deq = (codes.double().view(96, 5, 32) * scale.double()[..., None]).view(96, 160)
     lin = Q8Linear(codes, scale, cpu_ops.quant(), b, int8_rows=True)
-    x = torch.randn(rows, 160, generator=g).bfloat16()
+    x = torch.randn(rows, 160, generator=g).to(DT)
     x[0] = 0  # a row of zeros quantizes with scale 0
     got = lin(x).double()
     ref = _int8_rows(x) @ deq.t() + b.double()
     assert (got - ref).abs().max() <= 2 ** -8 * ref.abs().max()
     assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(rows)]), lin(x))
     with pytest.raises(RuntimeError, match="x has 96 inputs, the weight 160"):
-        cpu_ops.quant().mm8(torch.zeros(1, 96).bfloat16(), lin.packed, lin.scale, lin.sums)
+        cpu_ops.quant().mm8(torch.zeros(1, 96).to(DT), lin.packed, lin.scale, lin.sums)
     with pytest.raises(RuntimeError, match="pack8 returned"):
         cpu_ops.quant().mm8(x, lin.packed, lin.scale, lin.sums[:1])

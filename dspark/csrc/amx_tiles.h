@@ -5,6 +5,8 @@
 // path, whose integer sums are the same exact int32 values, so a row gets the same bits either way.
 #pragma once
 
+#include "quant_layout.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -15,11 +17,6 @@
 #include <vector>
 
 namespace dspark::amx {
-
-constexpr int kGroup = 32;   // inputs per quantization group = one tile's K (32 bf16)
-constexpr int kCols = 16;    // output columns per tile
-constexpr int kTileBytes = kCols * kGroup / 2;  // packed nibbles of one (column tile, group)
-constexpr int kAhead = 8;  // groups of weights prefetched ahead
 #ifdef DSPARK_AMX
 constexpr int64_t kVnniRows = 8;  // up to this many rows the int4 path takes VNNI, past it AMX-INT8
 #else

@@ -1,4 +1,5 @@
-// Fused CPU kernels for the target's decoder layers (bf16, fp16 or fp32 activations).
+// Fused CPU kernels for the target's decoder layers (bf16, fp16 or fp32 activations), vectorized
+// for AVX512 and, with 8-lane versions of the same loops, for AVX2.
 //
 // Every output row is computed from its own input row (and, for attention, its own visible keys)
 // with the same loop structure whatever the batch holds: sums run over fixed 16-lane partial
@@ -11,7 +12,7 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -72,6 +73,31 @@ inline __m512 exp16(__m512 x) {
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
+#elif defined(__AVX2__)
+// 8 floats from T (the AVX2 build runs float32 models; bf16 and fp16 widen exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// e^x, 8 lanes: exp16's polynomial and clamps.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
 #endif
 
 // sum_i a[i] * b[i] in a fixed order: kLanes partial sums, then a fixed reduction.
@@ -91,6 +117,18 @@ inline float dot(const A* a, const B* b, int64_t n) {
   if (i == n) return _mm512_reduce_add_ps(v);
   float acc[kLanes];
   _mm512_storeu_ps(acc, v);
+#elif defined(__AVX2__)
+  __m256 v[8];  // 16 lanes x 4 chains, as the AVX512 path, each 16 lanes as two halves
+  for (auto& x : v) x = _mm256_setzero_ps();
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes)
+    for (int c = 0; c < 8; ++c) v[c] = _mm256_fmadd_ps(load8(a + i + 8 * c), load8(b + i + 8 * c), v[c]);
+  for (; i + kLanes <= n; i += kLanes) {
+    v[0] = _mm256_fmadd_ps(load8(a + i), load8(b + i), v[0]);
+    v[1] = _mm256_fmadd_ps(load8(a + i + 8), load8(b + i + 8), v[1]);
+  }
+  float acc[kLanes];
+  _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[4], v[6])));
+  _mm256_storeu_ps(acc + 8, _mm256_add_ps(_mm256_add_ps(v[1], v[3]), _mm256_add_ps(v[5], v[7])));
 #else
   float acc[kLanes] = {0.f};
   for (; i + kLanes <= n; i += kLanes) {
@@ -113,6 +151,9 @@ inline void axpy(float p, const T* v, float* out, int64_t n) {
   for (; i + kLanes <= n; i += kLanes) {
     _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pv, load16(v + i), _mm512_loadu_ps(out + i)));
   }
+#elif defined(__AVX2__)
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(out + i)));
 #endif
   for (; i < n; ++i) out[i] += p * f32(v[i]);
 }
@@ -124,6 +165,8 @@ inline float exp_shifted(float* x, int64_t n, float mx) {
   for (; i + kLanes <= n; i += kLanes) {
     _mm512_storeu_ps(x + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(mx))));
   }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(mx))));
 #endif
   for (; i < n; ++i) x[i] = std::exp(x[i] - mx);
   float total = 0.f;
@@ -212,6 +255,16 @@ at::Tensor silu_mul(const at::Tensor& gu) {
           __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
           _mm512_storeu_ps(s, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
           for (int l = 0; l < kLanes; ++l) {
+            o[r * half + i + l] = static_cast<scalar_t>(round_to<scalar_t>(s[l]) * f32(gr[half + i + l]));
+          }
+        }
+#elif defined(__AVX2__)
+        float s[8];
+        for (; i + 8 <= half; i += 8) {
+          __m256 x = load8(gr + i);
+          __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+          _mm256_storeu_ps(s, _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+          for (int l = 0; l < 8; ++l) {
             o[r * half + i + l] = static_cast<scalar_t>(round_to<scalar_t>(s[l]) * f32(gr[half + i + l]));
           }
         }
@@ -435,6 +488,30 @@ struct LaneMax {
       if (!any || mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l], any = true;
   }
 };
+#elif defined(__AVX2__)
+// LaneMax in 8 lanes (steps of 8 columns).
+struct LaneMax {
+  static constexpr int kWidth = 8;
+  __m256 v;
+  __m256i i, idx;
+  LaneMax(float init, int64_t v0)
+      : v(_mm256_set1_ps(init)), i(_mm256_set1_epi32(static_cast<int32_t>(v0))),
+        idx(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(v0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))) {}
+  void step(__m256 a) {
+    const __m256 gt = _mm256_cmp_ps(a, v, _CMP_GT_OQ);
+    v = _mm256_blendv_ps(v, a, gt);
+    i = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(i), _mm256_castsi256_ps(idx), gt));
+    idx = _mm256_add_epi32(idx, _mm256_set1_epi32(kWidth));
+  }
+  void reduce(float& top, int64_t& best, bool& any) const {
+    alignas(32) float mv[kWidth];
+    alignas(32) int32_t mi[kWidth];
+    _mm256_store_ps(mv, v);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(mi), i);
+    for (int l = 0; l < kWidth; ++l)
+      if (!any || mv[l] > top || (mv[l] == top && mi[l] < best)) top = mv[l], best = mi[l], any = true;
+  }
+};
 #endif
 
 // Index of each row's maximum [R] int64 from x [R, V]: the first of equal maxima, and the first
@@ -461,6 +538,17 @@ at::Tensor argmax_rows(const at::Tensor& x) {
           for (; v + kLanes <= V; v += kLanes) {
             const __m512 a = load16(row + v);
             if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q)) break;  // a NaN: the scalar loop finds the first
+            lanes.step(a);
+          }
+          bool any = true;
+          lanes.reduce(top, best, any);
+        }
+#elif defined(__AVX2__)
+        if (!nan && V >= 16) {
+          LaneMax lanes(top, 0);
+          for (; v + 8 <= V; v += 8) {
+            const __m256 a = load8(row + v);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q))) break;
             lanes.step(a);
           }
           bool any = true;
@@ -512,6 +600,26 @@ inline std::pair<float, int64_t> biased_argmax(const float* base, const float* e
     for (; v + kLanes <= v1; v += kLanes) {
       __m512 acc = _mm512_loadu_ps(base + v);
       for (int64_t j = 0; j < rank; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(e[j]), _mm512_loadu_ps(wt + j * V + v), acc);
+      lanes.step(acc);
+    }
+    lanes.reduce(top, best, any);
+  }
+#elif defined(__AVX2__)
+  if (v1 - v0 >= 8) {
+    LaneMax lanes(-std::numeric_limits<float>::infinity(), v0);
+    for (; v + 32 <= v1; v += 32) {
+      __m256 acc[4];
+      for (int c = 0; c < 4; ++c) acc[c] = _mm256_loadu_ps(base + v + c * 8);
+      for (int64_t j = 0; j < rank; ++j) {
+        const __m256 ej = _mm256_set1_ps(e[j]);
+        const float* w = wt + j * V + v;
+        for (int c = 0; c < 4; ++c) acc[c] = _mm256_fmadd_ps(ej, _mm256_loadu_ps(w + c * 8), acc[c]);
+      }
+      for (int c = 0; c < 4; ++c) lanes.step(acc[c]);
+    }
+    for (; v + 8 <= v1; v += 8) {
+      __m256 acc = _mm256_loadu_ps(base + v);
+      for (int64_t j = 0; j < rank; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[j]), _mm256_loadu_ps(wt + j * V + v), acc);
       lanes.step(acc);
     }
     lanes.reduce(top, best, any);

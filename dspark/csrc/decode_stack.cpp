@@ -1,4 +1,4 @@
-// A decoder stack's decode or verification pass (every layer: norms, AMX int4/int8 linears,
+// A decoder stack's decode or verification pass (every layer: norms, int4/int8 linears,
 // rotary and cache write, attention, SwiGLU) in one call from Python.
 //
 // Why: at batch 1 a layer's arithmetic is tens of microseconds, and the Python around its nine
@@ -33,7 +33,8 @@ std::vector<at::Tensor> decode_stack(at::Tensor h, const std::vector<at::Tensor>
                                      const std::vector<int64_t>& capture) {
   TORCH_CHECK(shape.size() == 3 && eps.size() == 3, "decode_stack: shape is (heads, kv heads, head dim), eps is "
               "(norm eps, q/k norm eps, attention scale)");
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16, "decode_stack: h must be [rows, hidden] bf16");
+  TORCH_CHECK(h.dim() == 2 && (h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kFloat),
+              "decode_stack: h must be [rows, hidden] bf16 (float32 in the AVX2 build)");
   TORCH_CHECK(!weights.empty() && (weights.size() - 1) % kPerLayer == 0,
               "decode_stack: weights must be 1 + ", kPerLayer, " per layer");
   TORCH_CHECK(groups.size() % 3 == 0, "decode_stack: groups come as (gather, q_index, mask) triples");

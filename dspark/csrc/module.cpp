@@ -1,7 +1,8 @@
 // The Python module of the CPU kernels. Built without DSPARK_QUANT: the fused layer kernels
-// (cpu_ops.cpp). With it (a CPU with AMX, or with AVX512-VNNI and AVX512-BF16): those, the
-// int4/int8 matmuls (quant_amx.cpp, quant_q8_rows.cpp; on tiles where DSPARK_AMX is set too) and
-// the whole decoder stack in one call (decode_stack.cpp), all in one library.
+// (cpu_ops.cpp). With it: those, the packing (quant_pack.cpp), the int4/int8 matmuls and the
+// whole decoder stack in one call (decode_stack.cpp), all in one library. The matmuls are
+// quant_amx.cpp and quant_q8_rows.cpp for bf16 rows on a CPU with AMX (DSPARK_AMX set too) or with
+// AVX512-VNNI and AVX512-BF16, or quant_avx2.cpp for float32 rows on a CPU with AVX2 alone.
 #include <torch/extension.h>
 
 #include "ops.h"

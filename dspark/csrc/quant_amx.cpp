@@ -226,39 +226,6 @@ bool enable() {
 #endif
 }
 
-// codes [N, K] (uint8 in [0, 15] with offsets m: int4; int8 without: Q8_0), d and m [N, K / 32]
-// -> (packed codes [N/16, G, tile bytes], fp16 scales [N/16, G, 2 (d|m) or 1 (d), 16]).
-std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
-  const bool bytes = q.scalar_type() == at::kChar;
-  TORCH_CHECK(q.dim() == 2 && (bytes || q.scalar_type() == at::kByte), "pack: codes must be [N, K] uint8 or int8");
-  const int64_t n = q.size(0), k = q.size(1), g = k / kGroup;
-  TORCH_CHECK(n % (2 * kCols) == 0 && k % kGroup == 0, "pack: N must divide by 32 and K by 32");
-  TORCH_CHECK(d.dim() == 2 && d.size(0) == n && d.size(1) == g, "pack: scales must be [N, K / 32]");
-  TORCH_CHECK(bytes != m.has_value(), "pack: int4 codes need offsets [N, K / 32], int8 codes take none");
-  TORCH_CHECK(bytes || m->sizes() == d.sizes(), "pack: offsets must be [N, K / 32]");
-  auto qc = q.contiguous();
-  const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
-  auto packed = at::zeros({n / kCols, g, tile_bytes}, q.options());
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(qc.data_ptr());
-  uint8_t* dst = reinterpret_cast<uint8_t*>(packed.data_ptr());
-  for (int64_t t = 0; t < n / kCols; ++t)
-    for (int64_t gi = 0; gi < g; ++gi) {
-      uint8_t* tile = dst + (t * g + gi) * tile_bytes;
-      for (int col = 0; col < kCols; ++col)
-        for (int kk = 0; kk < kGroup; ++kk) {
-          const uint8_t code = src[(t * kCols + col) * k + gi * kGroup + kk];
-          if (bytes) {  // bf16 B tile: row kk / 2 holds k = 2r, 2r + 1 of every column
-            tile[32 * (kk / 2) + 2 * col + kk % 2] = code;
-          } else {  // see widen()
-            tile[64 * (kk / 8) + 4 * col + kk % 4] |= code << (4 * ((kk / 4) % 2));
-          }
-        }
-    }
-  auto per_tile = [&](const at::Tensor& v) { return v.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}); };
-  auto dm = bytes ? per_tile(d).unsqueeze(2).contiguous() : at::stack({per_tile(d), per_tile(*m)}, 2).contiguous();
-  return {packed, dm};
-}
-
 // y [M, N] bf16 = x [M, K] bf16 @ w.T, w from pack(); or, given pack8()'s code sums (not
 // empty), from pack8() with the rows quantized to int8 (mm8).
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,

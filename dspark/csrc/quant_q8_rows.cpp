@@ -96,32 +96,6 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
   });
 }
 
-
-// int8 codes [N, K] and scales [N, K / 32] -> (codes in widen()'s layout [N/16, G, 512], fp16
-// scales [N/16, G, 16], the codes' sum per column and group [N/16, G, 16] int32), for mm8.
-std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack8: codes must be [N, K] int8");
-  const int64_t n = q.size(0), k = q.size(1), g = k / kGroup;
-  TORCH_CHECK(n % (2 * kCols) == 0 && k % kGroup == 0, "pack8: N must divide by 32 and K by 32");
-  TORCH_CHECK(d.dim() == 2 && d.size(0) == n && d.size(1) == g, "pack8: scales must be [N, K / 32]");
-  auto qc = q.contiguous();
-  auto packed = at::zeros({n / kCols, g, 2 * kTileBytes}, q.options());
-  auto wsum = at::zeros({n / kCols, g, kCols}, q.options().dtype(at::kInt));
-  const int8_t* src = qc.data_ptr<int8_t>();
-  int8_t* dst = packed.data_ptr<int8_t>();
-  int32_t* sum = wsum.data_ptr<int32_t>();
-  for (int64_t t = 0; t < n / kCols; ++t)
-    for (int64_t gi = 0; gi < g; ++gi)
-      for (int col = 0; col < kCols; ++col)
-        for (int kk = 0; kk < kGroup; ++kk) {
-          const int8_t code = src[(t * kCols + col) * k + gi * kGroup + kk];
-          dst[(t * g + gi) * 2 * kTileBytes + 64 * (kk / 4) + 4 * col + kk % 4] = code;
-          sum[(t * g + gi) * kCols + col] += code;
-        }
-  auto dm = d.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}).contiguous();
-  return {packed, dm, wsum};
-}
-
 // y [M, N] bf16 = x [M, K] bf16 (quantized to int8 per row and group of 32) @ w.T, w from pack8().
 at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& wsum) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "mm8: x must be [M, K] bf16");

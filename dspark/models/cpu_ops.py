@@ -10,8 +10,11 @@ once per machine with the system C++ compiler into ``<cache dir>/cpu_ops/`` (tor
 extension loader; about a minute) and reused after. A CPU without AMX but with AVX512-VNNI and
 AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake) gets the same matmuls and
 decoder stack built without tiles: every row count takes the VNNI path, which gives a row the
-same bits as the tile path. Without a compiler, or with ``DSPARK_CPU_OPS=0``, the model runs its
-pure-torch layers and torch's int4 kernel.
+same bits as the tile path. A CPU with AVX2 and no AVX512 at all (AMD Zen 2/3, Intel before Ice
+Lake) has no fast bf16, so its models run in float32; it gets ``quant_avx2.cpp``'s float32
+versions of the same matmuls on the same packed weights, and the same decoder stack. Without a
+compiler, or with ``DSPARK_CPU_OPS=0``, the model runs its pure-torch layers and torch's int4
+kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ log = logging.getLogger(__name__)
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "module.cpp", CSRC / "cpu_ops.cpp"]
-AMX_SOURCES = [*SOURCES, CSRC / "quant_amx.cpp", CSRC / "quant_q8_rows.cpp", CSRC / "decode_stack.cpp"]
+_QUANT_COMMON = [CSRC / "quant_pack.cpp", CSRC / "decode_stack.cpp"]
+AMX_SOURCES = [*SOURCES, *_QUANT_COMMON, CSRC / "quant_amx.cpp", CSRC / "quant_q8_rows.cpp"]
+AVX2_SOURCES = [*SOURCES, *_QUANT_COMMON, CSRC / "quant_avx2.cpp"]
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
                "AVX2": ["-mavx2", "-mfma"]}
 
@@ -80,6 +85,7 @@ def _cpu_flags() -> set[str]:
 
 _AMX_FLAGS = {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512bw"}
 _VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+_AVX2_FLAGS = {"avx2", "fma", "f16c"}
 _QUANT_FLAGS = [*_ARCH_FLAGS["AVX512"], "-mavx512bf16", "-mavx512vnni", "-DDSPARK_QUANT"]
 
 
@@ -93,27 +99,39 @@ def _build_quant(tiles: bool):  # noqa: ANN202 - the compiled module
             return mod
         log.warning("no AMX build here (no compiler support, or the kernel refused the AMX registers); "
                     "trying the VNNI build")
-    if not _VNNI_FLAGS <= flags:
-        return None
-    return _compile("dspark_cpu_ops_vnni", AMX_SOURCES, _QUANT_FLAGS)
+    if _VNNI_FLAGS <= flags:
+        return _compile("dspark_cpu_ops_vnni", AMX_SOURCES, _QUANT_FLAGS)
+    if _AVX2_FLAGS <= flags and "avx512f" not in flags:  # AVX512 without VNNI+BF16 keeps the dense path
+        return _compile("dspark_cpu_ops_avx2q", AVX2_SOURCES, [*_ARCH_FLAGS["AVX2"], "-mf16c", "-DDSPARK_QUANT"])
+    return None
 
 
 def quant():  # noqa: ANN201 - the compiled module or None
-    """The kernels with the int4/int8 weight matmuls (``csrc/quant_amx.cpp``, ``quant_q8_rows.cpp``)
-    and the decoder stack: on AMX tiles where the CPU has AMX (BF16 and INT8) and
-    ``DSPARK_CPU_AMX=0`` is not set, else on AVX512-VNNI alone where the CPU has it and
-    AVX512-BF16; None where it has neither or ``DSPARK_CPU_OPS=0`` is set."""
+    """The kernels with the int4/int8 weight matmuls and the decoder stack: for bf16 rows on AMX
+    tiles where the CPU has AMX (BF16 and INT8) and ``DSPARK_CPU_AMX=0`` is not set, else on
+    AVX512-VNNI alone where the CPU has it and AVX512-BF16 (``csrc/quant_amx.cpp``,
+    ``quant_q8_rows.cpp``); for float32 rows on AVX2 where the CPU has no AVX512 at all
+    (``quant_avx2.cpp``: such CPUs have no fast bf16, so the model runs in float32); None
+    otherwise or where ``DSPARK_CPU_OPS=0`` is set."""
     if not enabled():
         return None
     return _build_quant(os.environ.get("DSPARK_CPU_AMX", "1") != "0")
 
 
 def quant_kind() -> str | None:
-    """"amx", "vnni" or None: which build :func:`quant` is (for profiles and reports)."""
+    """"amx", "vnni", "avx2" or None: which build :func:`quant` is (for profiles and reports)."""
     mod = quant()
     if mod is None:
         return None
-    return "amx" if "amx" in mod.__name__ else "vnni"
+    return next(kind for kind in ("amx", "vnni", "avx2") if kind in mod.__name__)
+
+
+def quant_dtype() -> torch.dtype | None:
+    """The activation dtype :func:`quant`'s matmuls take and return (bf16, or float32 on AVX2)."""
+    kind = quant_kind()
+    if kind is None:
+        return None
+    return torch.float32 if kind == "avx2" else torch.bfloat16
 
 
 def for_tensor(x: torch.Tensor):  # noqa: ANN201 - the compiled module or None

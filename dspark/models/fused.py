@@ -42,7 +42,7 @@ def decoder_forward(model, ops, h: torch.Tensor, positions: torch.Tensor, attn, 
     cos, sin = model.rotary(positions, h.dtype)
     cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
     layers = model.layers
-    plan = stack_plan(model, ops) if rows is None and h.dtype == torch.bfloat16 else None
+    plan = stack_plan(model, ops) if rows is None else None
     if plan is not None and all(g.short for g in attn.groups):
         groups = [t for g in attn.groups for t in (g.gather, g.q_index, g.row_mask)]
         out = ops.decode_stack(h, plan.weights, kv.k, kv.v, cos, sin, attn.slot_mapping, groups, plan.shape,
@@ -91,22 +91,24 @@ def stack_plan(model, ops) -> StackPlan | None:  # noqa: ANN001 - model as decod
     return layers.__dict__[_STACK]
 
 
-def _norm_weight(norm, eps: set[float]) -> torch.Tensor | None:  # noqa: ANN001 - an RMSNorm
+def _norm_weight(norm, eps: set[float], dtype: torch.dtype) -> torch.Tensor | None:  # noqa: ANN001 - an RMSNorm
     w = getattr(norm, "weight", None)
-    if w is None or w.dtype != torch.bfloat16:
+    if w is None or w.dtype != dtype:
         return None
     eps.add(norm.eps)
     return w
 
 
 def _make_plan(model) -> StackPlan | None:  # noqa: ANN001
+    from dspark.models import cpu_ops
     from dspark.models.drafters.dspark import KernelRMSNorm  # the drafter's module imports this one
 
     layers = model.layers
+    dtype = cpu_ops.quant_dtype()  # the stack's linears and norms all take it
     eps: set[float] = set()
     qk_eps: set[float] = set()
-    none = torch.empty(0, dtype=torch.bfloat16)
-    first = _norm_weight(layers[0].input_layernorm, eps)
+    none = torch.empty(0, dtype=dtype)
+    first = _norm_weight(layers[0].input_layernorm, eps, dtype)
     weights = [first]
     for i, layer in enumerate(layers):
         a, m = layer.self_attn, layer.mlp
@@ -118,10 +120,10 @@ def _make_plan(model) -> StackPlan | None:  # noqa: ANN001
         if a.q_norm is not None or a.k_norm is not None:
             if not (isinstance(a.q_norm, KernelRMSNorm) and isinstance(a.k_norm, KernelRMSNorm)):
                 return None  # a target's q/k norms stay torch's (the exact path)
-            qk = [_norm_weight(a.q_norm, qk_eps), _norm_weight(a.k_norm, qk_eps)]
+            qk = [_norm_weight(a.q_norm, qk_eps, dtype), _norm_weight(a.k_norm, qk_eps, dtype)]
         after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-        weights += [*parts[0], *qk, *parts[1], _norm_weight(layer.post_attention_layernorm, eps),
-                    *parts[2], *parts[3], _norm_weight(after, eps)]
+        weights += [*parts[0], *qk, *parts[1], _norm_weight(layer.post_attention_layernorm, eps, dtype),
+                    *parts[2], *parts[3], _norm_weight(after, eps, dtype)]
     if any(w is None for w in weights) or len(eps) != 1 or len(qk_eps) > 1:
         return None
     a = layers[0].self_attn

@@ -113,20 +113,26 @@ class PackedHead(nn.Module):
         return self.linear(x)
 
 
+def _cpu_reduced(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and cpu_reduced_precision(w)
+
+
 def pack_linears(module: nn.Module, only: tuple[str, ...] | None = None,
-                 make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear) -> int:
+                 make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = PackedLinear,
+                 takes: Callable[[torch.Tensor], bool] = _cpu_reduced) -> int:
     """Swap every linear under ``module`` whose weight nobody reads directly for ``make(weight,
     bias)``, pre-packed by default (inference only: the copy does not follow later weight
     updates); for a drafter on CPU in bf16/fp16, where its small passes otherwise pay oneDNN's
-    weight reorder on every call. only: just these direct children. Returns the count."""
+    weight reorder on every call. only: just these direct children; takes: which weights ``make``
+    is for (CPU bf16/fp16 ones by default). Returns the count."""
     forget_stack(module)
     swapped = 0
     for name, child in list(module.named_children()):
         if only is not None and name not in only:
             continue
-        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and cpu_reduced_precision(child.weight):
+        if isinstance(child, nn.Linear) and takes(child.weight):
             setattr(module, name, make(child.weight, child.bias))
             swapped += 1
         else:
-            swapped += pack_linears(child, make=make)
+            swapped += pack_linears(child, make=make, takes=takes)
     return swapped

@@ -18,9 +18,9 @@ Every kernel here computes each output row from its input row alone, in the same
 the number of rows, so a token decoded alone and the same token verified in a chain get the same
 bits: speculative output stays equal to plain output of the same quantized model. The embedding
 stays dense; so does the LM head, except where ``cpu_ops.quant()`` has kernels (AMX, or
-AVX512-VNNI with AVX512-BF16) and the layers are quantized: there it runs as int8
-with int8 rows (``Int8Head``, a Q8_0 product as llama.cpp runs it) and keeps its dense weight
-for drafters that read it.
+AVX512-VNNI with AVX512-BF16, for bf16; AVX2 for float32) and the layers are quantized: there it
+runs as int8 with int8 rows (``Int8Head``, a Q8_0 product as llama.cpp runs it) and keeps its
+dense weight for drafters that read it.
 """
 
 from __future__ import annotations
@@ -137,17 +137,18 @@ class _WeightOnly(nn.Module):
 
 
 class Int4Linear(_WeightOnly):
-    """Weight-only int4 linear over groups of 32. In bf16 on a CPU with AMX or AVX512-VNNI it runs
-    ``csrc/quant_amx.cpp`` (w = scale * q + offset with fp16 scales, as GGUF's; on AMX one pass
-    over the weights serves up to 16 rows at about the cost of one, on VNNI alone each row adds a
+    """Weight-only int4 linear over groups of 32. In the dtype of ``cpu_ops.quant()``'s build (bf16
+    on a CPU with AMX or AVX512-VNNI, float32 on one with AVX2 alone) it runs ``csrc/quant_amx.cpp``
+    or ``quant_avx2.cpp`` (w = scale * q + offset with fp16 scales, as GGUF's; on AMX one pass
+    over the weights serves up to 16 rows at about the cost of one, on VNNI or AVX2 each row adds a
     fraction of a decode step); elsewhere torch's packed CPU kernel,
     which reads scales and offsets in the activation dtype. prefill_dense keeps a pre-packed dense
     copy (de-quantized from the same codes and scales) for prompt rows."""
 
     def __init__(self, w: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype, prefill_dense: bool = False):
         super().__init__()
-        cpu_bf16 = dtype == torch.bfloat16 and w.q.device.type == "cpu"
-        self.amx = cpu_ops.quant() if cpu_bf16 and w.q.shape[0] % 32 == 0 else None
+        ours = dtype == cpu_ops.quant_dtype() and w.q.device.type == "cpu"
+        self.amx = cpu_ops.quant() if ours and w.q.shape[0] % 32 == 0 else None
         if self.amx is not None:
             scale = w.scale.half().float()  # a GGUF's own fp16 scales and offsets, exactly
             offset = (w.zero.double() - 8 * w.scale.double()).half().float()
@@ -193,15 +194,15 @@ class Int8Linear(_WeightOnly):
 
 class Q8Linear(_WeightOnly):
     """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles or VNNI,
-    bf16 in and out: half a bf16 weight's bytes read per call, at a cost that hardly grows up to
-    16 rows on AMX.
+    bf16 in and out (on AVX2, float32 with int8_rows only): half a bf16 weight's bytes read per
+    call, at a cost that hardly grows up to 16 rows on AMX.
     Each row's result depends on that row alone, so prompt rows need no dense copy. int8_rows:
     the rows are quantized to int8 per group of 32 too (``amx.mm8``, as llama.cpp runs a Q8_0
     product; several times faster at a few rows, where expanding the codes to bf16 bounds the
     other path). Both paths give a row the same bits alone or in any batch."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, amx, bias: torch.Tensor | None = None,  # noqa: ANN001
-                 int8_rows: bool = False):
+                 int8_rows: bool = False, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.amx = amx
         if int8_rows:
@@ -211,7 +212,7 @@ class Q8Linear(_WeightOnly):
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("sums", sums)  # empty: bf16 rows
-        self._attach(codes.shape, bias, torch.bfloat16, None)
+        self._attach(codes.shape, bias, dtype, None)
 
     def amx_weights(self) -> tuple[torch.Tensor, ...] | None:
         """As :meth:`Int4Linear.amx_weights`, with the code sums of an int8-rows weight (else empty)."""
@@ -227,7 +228,7 @@ class Int8Head(Q8Linear):
 
     def __init__(self, head: nn.Module, codes: torch.Tensor, scale: torch.Tensor, amx,  # noqa: ANN001
                  int8_rows: bool = True):
-        super().__init__(codes, scale, amx, int8_rows=int8_rows)
+        super().__init__(codes, scale, amx, int8_rows=int8_rows, dtype=head.weight.dtype)
         self.weight = head.weight
 
 
@@ -237,11 +238,17 @@ def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.M
     pre-packed dense one. Drafts need no bit-exactness, and a drafter pass at batch 1 is mostly
     reading its weights: int4 halves the bytes of Q8_0 (the drafter pass ~25% faster on a Zen 4
     CPU) for about 0.5% of tau (docs/quantization.md)."""
-    amx = cpu_ops.quant() if weight.dtype == torch.bfloat16 else None
+    amx = cpu_ops.quant() if weight.dtype == cpu_ops.quant_dtype() else None
     n, k = weight.shape
     if amx is None or n % 32 or k % GROUP:
         return PackedLinear(weight, bias, exact=False)
-    return Int4Linear(quantize_int4(weight.detach().float()), bias, torch.bfloat16)
+    return Int4Linear(quantize_int4(weight.detach().float()), bias, weight.dtype)
+
+
+def draft_packable(weight: torch.Tensor) -> bool:
+    """Whether :func:`draft_linear` makes ``weight`` cheaper to run than as it is: a CPU weight in
+    bf16/fp16 (pre-packed, or int4), or in the float32 the AVX2 kernels take (int4)."""
+    return weight.device.type == "cpu" and (cpu_reduced_precision(weight) or weight.dtype == cpu_ops.quant_dtype())
 
 
 # --------------------------------------------------------------------------- applying a mode
@@ -250,6 +257,8 @@ def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torc
         return "none"
     if mode != "auto":
         return mode
+    if dtype == torch.float32 and cpu_ops.quant_dtype() == torch.float32:
+        return "int4" if file_kind == "Q4" else "none"  # the AVX2 kernels (Q8_0 layers: no path yet)
     if dtype not in (torch.bfloat16, torch.float16):
         return "none"  # torch's weight-only CPU kernels are several times slower than dense in fp32
     return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
@@ -269,7 +278,7 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
     dtype = next(model.parameters()).dtype
     if mode in ("int4", "int8") and dev.type != "cpu":
         log.warning("--quantization %s has no %s kernel yet: the layers stay dense %s", mode, dev.type, dtype)
-    elif mode in ("int4", "int8") and dtype == torch.float32:
+    elif mode in ("int4", "int8") and dtype == torch.float32 and (mode, cpu_ops.quant_dtype()) != ("int4", dtype):
         log.warning("--quantization %s in float32 runs torch's slow weight-only path; bf16 is the fast one", mode)
     summary: dict[str, list[int]] = {}
     file_weights = file_weights or {}
@@ -288,7 +297,8 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
             stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
             stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
     forget_stack(model.layers)
-    if dev.type == "cpu" and cpu_reduced_precision(model.lm_head.weight):
+    head_w = model.lm_head.weight
+    if dev.type == "cpu" and (cpu_reduced_precision(head_w) or head_w.dtype == cpu_ops.quant_dtype()):
         model.lm_head = _cpu_head(model.lm_head, quantized=bool({"Int4Linear", "Int8Linear"} & set(summary)),
                                   head_blocks=head_blocks)
         log.info("LM head: %s", type(model.lm_head).__name__)
@@ -297,9 +307,10 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
 
 def _cpu_head(head: nn.Module, quantized: bool, head_blocks) -> nn.Module:  # noqa: ANN001
     w = head.weight
-    amx = cpu_ops.quant() if quantized and w.dtype == torch.bfloat16 and getattr(head, "bias", None) is None else None
+    ours = quantized and w.dtype == cpu_ops.quant_dtype() and getattr(head, "bias", None) is None
+    amx = cpu_ops.quant() if ours else None
     if amx is None or w.shape[0] % 32 or w.shape[1] % GROUP:
-        return PackedHead(head)
+        return PackedHead(head) if cpu_reduced_precision(w) else head
     codes, scale = head_blocks if head_blocks is not None else quantize_q8_0(w.detach())
     return Int8Head(head, codes, scale, amx)
 

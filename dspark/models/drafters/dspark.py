@@ -19,9 +19,9 @@ from torch import nn
 
 from dspark.models import cpu_ops
 from dspark.models.fused import decoder_forward, forget_stack, kernels_for
-from dspark.models.layers import DecoderLayer, RMSNorm, Rotary, cpu_reduced_precision
+from dspark.models.layers import DecoderLayer, RMSNorm, Rotary
 from dspark.models.llama import LlamaConfig
-from dspark.models.quant import draft_linear
+from dspark.models.quant import draft_linear, draft_packable
 
 
 @dataclass
@@ -221,9 +221,9 @@ class BlockDrafter(nn.Module):
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Float logits over the draft vocabulary (the target's when there is no reduced one)."""
         w = self._head_weight()
-        if self.draft_to_target is None or torch.is_grad_enabled() or not cpu_reduced_precision(w):
+        if self.draft_to_target is None or torch.is_grad_enabled() or not draft_packable(w):
             return F.linear(h, w).float()
-        # inference on CPU in bf16/fp16: the rows packed once (aten::mm re-lays them every call)
+        # inference on CPU: the rows packed once (aten::mm re-lays them every call), or int4
         if self._packed_head is None or self._packed_head[0] is not w:
             self._packed_head = (w, draft_linear(w))
         return self._packed_head[1](h).float()

@@ -1,5 +1,5 @@
-// Weight-only int4 and int8 matmuls for CPUs with AVX2 but without AVX512 (AMD Zen 2/3, Intel
-// before Ice Lake), float32 rows in and out: the same packed weights (quant_pack.cpp) and the same
+// Weight-only int4 and int8 matmuls for CPUs with AVX2 but without AVX512-VNNI and AVX512-BF16
+// (AMD Zen 2/3, Intel Haswell to Ice Lake), float32 rows in and out: the same packed weights (quant_pack.cpp) and the same
 // entry points as quant_amx.cpp and quant_q8_rows.cpp, so the decoder stack and the Python
 // linears run unchanged on them.
 //

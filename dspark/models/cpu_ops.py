@@ -10,8 +10,8 @@ once per machine with the system C++ compiler into ``<cache dir>/cpu_ops/`` (tor
 extension loader; about a minute) and reused after. A CPU without AMX but with AVX512-VNNI and
 AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake) gets the same matmuls and
 decoder stack built without tiles: every row count takes the VNNI path, which gives a row the
-same bits as the tile path. A CPU with AVX2 and no AVX512 at all (AMD Zen 2/3, Intel before Ice
-Lake) has no fast bf16, so its models run in float32; it gets ``quant_avx2.cpp``'s float32
+same bits as the tile path. A CPU with AVX2 but neither (AMD Zen 2/3, Intel Haswell to Ice Lake)
+has no fast bf16, so its models run in float32; it gets ``quant_avx2.cpp``'s float32
 versions of the same matmuls on the same packed weights, and the same decoder stack. Without a
 compiler, or with ``DSPARK_CPU_OPS=0``, the model runs its pure-torch layers and torch's int4
 kernel.
@@ -101,7 +101,7 @@ def _build_quant(tiles: bool):  # noqa: ANN202 - the compiled module
                     "trying the VNNI build")
     if _VNNI_FLAGS <= flags:
         return _compile("dspark_cpu_ops_vnni", AMX_SOURCES, _QUANT_FLAGS)
-    if _AVX2_FLAGS <= flags and "avx512f" not in flags:  # AVX512 without VNNI+BF16 keeps the dense path
+    if _AVX2_FLAGS <= flags:  # also AVX512 CPUs without BF16 (Skylake-SP, Cascade Lake): float32 models there
         return _compile("dspark_cpu_ops_avx2q", AVX2_SOURCES, [*_ARCH_FLAGS["AVX2"], "-mf16c", "-DDSPARK_QUANT"])
     return None
 
@@ -110,7 +110,7 @@ def quant():  # noqa: ANN201 - the compiled module or None
     """The kernels with the int4/int8 weight matmuls and the decoder stack: for bf16 rows on AMX
     tiles where the CPU has AMX (BF16 and INT8) and ``DSPARK_CPU_AMX=0`` is not set, else on
     AVX512-VNNI alone where the CPU has it and AVX512-BF16 (``csrc/quant_amx.cpp``,
-    ``quant_q8_rows.cpp``); for float32 rows on AVX2 where the CPU has no AVX512 at all
+    ``quant_q8_rows.cpp``); for float32 rows on AVX2 where the CPU has neither
     (``quant_avx2.cpp``: such CPUs have no fast bf16, so the model runs in float32); None
     otherwise or where ``DSPARK_CPU_OPS=0`` is set."""
     if not enabled():

@@ -157,8 +157,8 @@ def test_fused_drafter_block_matches_the_modules(folders, monkeypatch):
     from dspark.engine.proposers import block
     from dspark.models.drafters import dspark
 
-    monkeypatch.setattr(block, "draft_packable", lambda w: False)
-    monkeypatch.setattr(dspark, "draft_packable", lambda w: False)
+    monkeypatch.setattr(block, "cpu_packable", lambda w: False)
+    monkeypatch.setattr(dspark, "cpu_packable", lambda w: False)
     outs = []
     for enabled in ("1", "0"):
         monkeypatch.setenv("DSPARK_CPU_OPS", enabled)

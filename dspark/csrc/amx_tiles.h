@@ -77,11 +77,6 @@ inline void quantize_rows(const c10::BFloat16* x, int64_t rows, int64_t k, int8_
     }
 }
 
-inline void prefetch(const uint8_t* p, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
-}
-
 inline void store_rows(const std::vector<__m512>& acc, int64_t rows, c10::BFloat16* y, int64_t n, int64_t t) {
   for (int64_t i = 0; i < rows; ++i)
     for (int j = 0; j < 2; ++j)
@@ -92,12 +87,6 @@ inline void store_rows(const std::vector<__m512>& acc, int64_t rows, c10::BFloat
 // A batch's rows as int8 codes (padded with zero rows to whole tiles past kVnniRows rows) and
 // each group's dx and dx * sum of codes, in the calling thread's scratch, reused across calls:
 // three tensor allocations per linear cost as much as a small layer's arithmetic at one row.
-struct QuantizedRows {
-  const int8_t* xq;
-  const float* dx;
-  const float* cx;
-};
-
 inline QuantizedRows quantize_batch(const at::Tensor& x, int64_t rows, bool vnni) {
   const int64_t k = x.size(1), g = k / kGroup;
   const int64_t padded = vnni || rows <= 16 ? rows : (rows + 15) / 16 * 16;

@@ -231,24 +231,15 @@ bool enable() {
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,
               const std::optional<at::Tensor>& sums) {
   if (sums.has_value() && sums->numel() > 0) return mm8(x_in, packed, dm, *sums);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "mm: x must be [M, K] bf16");
-  const int64_t rows = x_in.size(0), k = x_in.size(1), g = k / kGroup, pairs = packed.size(0) / 2;
-  const int64_t n = packed.size(0) * kCols;
-  const bool bytes = packed.scalar_type() == at::kChar;
-  const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
-  const int64_t scales = (bytes ? 1 : 2) * kCols;  // fp16 values per (column tile, group): d, and m for int4
-  TORCH_CHECK(packed.dim() == 3 && (bytes || packed.scalar_type() == at::kByte) && packed.size(2) == tile_bytes &&
-              packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm: not a packed weight");
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == packed.size(0) * packed.size(1) * scales,
-              "mm: scales must be the fp16 tensor pack() returned");
-  TORCH_CHECK(k % kGroup == 0 && packed.size(1) == g, "mm: x has ", k, " inputs, the weight ", packed.size(1) * kGroup);
+  const MatmulShape s = check_mm(x_in, at::kBFloat16, packed, dm);
+  const int64_t rows = s.rows, n = s.n, pairs = packed.size(0) / 2;
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0) return y;
   const at::Tensor x = x_in.contiguous();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
   const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  if (bytes) {
+  if (s.bytes) {
     mm_int8(x, rows, wp, dmp, yp, n, pairs);
   } else {
     mm_int4(x, rows, wp, dmp, yp, n, pairs);

@@ -1,7 +1,7 @@
 // Weight-only int4 and int8 matmuls for CPUs with AVX2 but without AVX512-VNNI and AVX512-BF16
-// (AMD Zen 2/3, Intel Haswell to Ice Lake), float32 rows in and out: the same packed weights (quant_pack.cpp) and the same
-// entry points as quant_amx.cpp and quant_q8_rows.cpp, so the decoder stack and the Python
-// linears run unchanged on them.
+// (AMD Zen 2/3, Intel Haswell to Ice Lake), float32 rows in and out: the same packed weights
+// (quant_pack.cpp), argument checks and entry points as quant_amx.cpp and quant_q8_rows.cpp, so
+// the decoder stack and the Python linears run unchanged on them.
 //
 // Why: such a CPU has no fast bf16, so the model runs in float32, and a dense float32 decoder
 // reads ~6x the bytes of the GGUF's own Q4 blocks per token; a batch-1 step is bound by exactly
@@ -71,12 +71,6 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* d
     }
 }
 
-struct QuantizedRows {
-  const int8_t* xq;
-  const float* dx;
-  const float* cx;
-};
-
 // In the calling thread's scratch, reused across calls (allocations cost as much as a small
 // layer's arithmetic at one row).
 QuantizedRows quantize_batch(const float* x, int64_t rows, int64_t k) {
@@ -95,8 +89,10 @@ QuantizedRows quantize_batch(const float* x, int64_t rows, int64_t k) {
 
 inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-inline void prefetch(const uint8_t* p, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+// A column tile's accumulators (two halves of 8 outputs per row) into y [rows, n] at tile t.
+inline void store_rows(const std::vector<__m256>& acc, int64_t rows, float* y, int64_t n, int64_t t) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * n + t * kCols + 8 * h, acc[2 * r + h]);
 }
 
 inline __m256i quad(const int8_t* p) {
@@ -147,8 +143,7 @@ void mm_int4(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const 
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int h = 0; h < 2; ++h) _mm256_storeu_ps(yp + r * n + t * kCols + 8 * h, acc[2 * r + h]);
+      store_rows(acc, rows, yp, n, t);
     }
   });
 }
@@ -182,14 +177,9 @@ void mm_q8_rows(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, con
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int h = 0; h < 2; ++h) _mm256_storeu_ps(yp + r * n + t * kCols + 8 * h, acc[2 * r + h]);
+      store_rows(acc, rows, yp, n, t);
     }
   });
-}
-
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be [M, K] float32 in this build (AVX2)");
 }
 
 }  // namespace
@@ -201,39 +191,25 @@ bool enable() { return true; }  // no tiles, nothing to ask for
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,
               const std::optional<at::Tensor>& sums) {
   if (sums.has_value() && sums->numel() > 0) return mm8(x_in, packed, dm, *sums);
-  check_rows(x_in, "mm");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kTileBytes &&
-              packed.size(0) % 2 == 0 && packed.is_contiguous(),
-              "mm: not a packed int4 weight (int8 ones take pack8 and its code sums in this build)");
-  const int64_t rows = x_in.size(0), k = x_in.size(1), g = k / kGroup, n = packed.size(0) * kCols;
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() &&
-              dm.numel() == packed.size(0) * packed.size(1) * 2 * kCols, "mm: scales must be the fp16 tensor pack() returned");
-  TORCH_CHECK(k % kGroup == 0 && packed.size(1) == g, "mm: x has ", k, " inputs, the weight ", packed.size(1) * kGroup);
-  auto y = at::empty({rows, n}, x_in.options());
-  if (rows == 0) return y;
+  const MatmulShape s = check_mm(x_in, at::kFloat, packed, dm);
+  TORCH_CHECK(!s.bytes, "mm: int8 weights take pack8 and its code sums in this build");
+  auto y = at::empty({s.rows, s.n}, x_in.options());
+  if (s.rows == 0) return y;
   const at::Tensor x = x_in.contiguous();
-  mm_int4(x.data_ptr<float>(), rows, k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
-          reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), n);
+  mm_int4(x.data_ptr<float>(), s.rows, s.k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
+          reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), s.n);
   return y;
 }
 
 // y [M, N] float32 = x [M, K] float32 (quantized to int8 per row and group of 32) @ w.T, w from
 // pack8() (its code sums are checked, not needed: the sign trick takes signed codes as they are).
 at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& wsum) {
-  check_rows(x_in, "mm8");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == 2 * kTileBytes &&
-              packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm8: not a weight from pack8");
-  const int64_t rows = x_in.size(0), k = x_in.size(1), g = k / kGroup;
-  const int64_t n = packed.size(0) * kCols, cells = packed.size(0) * packed.size(1) * kCols;
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == cells &&
-              wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == cells,
-              "mm8: scales and sums must be the tensors pack8 returned");
-  TORCH_CHECK(k % kGroup == 0 && packed.size(1) == g, "mm8: x has ", k, " inputs, the weight ", packed.size(1) * kGroup);
-  auto y = at::empty({rows, n}, x_in.options());
-  if (rows == 0) return y;
+  const MatmulShape s = check_mm8(x_in, at::kFloat, packed, dm, wsum);
+  auto y = at::empty({s.rows, s.n}, x_in.options());
+  if (s.rows == 0) return y;
   const at::Tensor x = x_in.contiguous();
-  mm_q8_rows(x.data_ptr<float>(), rows, k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
-             reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), n);
+  mm_q8_rows(x.data_ptr<float>(), s.rows, s.k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
+             reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), s.n);
   return y;
 }
 

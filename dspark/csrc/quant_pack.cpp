@@ -1,6 +1,6 @@
 // The weight-only kernels' packing (quant_layout.h), plain C++ so that every build holds the same
 // one: int4 codes with scales and offsets, or int8 codes with scales, for mm (pack) and int8 codes
-// for the int8-rows product mm8 (pack8).
+// for the int8-rows product mm8 (pack8); and the checks of mm's and mm8's arguments.
 #include "ops.h"
 #include "quant_layout.h"
 
@@ -69,6 +69,44 @@ std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d) {
         }
   auto dm = d.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}).contiguous();
   return {packed, dm, wsum};
+}
+
+namespace {
+void check_rows(const char* name, const at::Tensor& x, at::ScalarType rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == rows, name, ": x must be [M, K] ",
+              rows == at::kBFloat16 ? "bf16" : "float32", " in this build");
+}
+
+void check_inputs(const char* name, int64_t k, const at::Tensor& packed) {
+  TORCH_CHECK(k % kGroup == 0 && packed.size(1) == k / kGroup, name, ": x has ", k, " inputs, the weight ",
+              packed.size(1) * kGroup);
+}
+}  // namespace
+
+MatmulShape check_mm(const at::Tensor& x, at::ScalarType rows, const at::Tensor& packed, const at::Tensor& dm) {
+  check_rows("mm", x, rows);
+  const bool bytes = packed.scalar_type() == at::kChar;
+  const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
+  const int64_t scales = (bytes ? 1 : 2) * kCols;  // fp16 values per (column tile, group): d, and m for int4
+  TORCH_CHECK(packed.dim() == 3 && (bytes || packed.scalar_type() == at::kByte) && packed.size(2) == tile_bytes &&
+              packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm: not a packed weight");
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == packed.size(0) * packed.size(1) * scales,
+              "mm: scales must be the fp16 tensor pack() returned");
+  check_inputs("mm", x.size(1), packed);
+  return {x.size(0), x.size(1), packed.size(0) * kCols, bytes};
+}
+
+MatmulShape check_mm8(const at::Tensor& x, at::ScalarType rows, const at::Tensor& packed, const at::Tensor& dm,
+                      const at::Tensor& wsum) {
+  check_rows("mm8", x, rows);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == 2 * kTileBytes &&
+              packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm8: not a weight from pack8");
+  const int64_t cells = packed.size(0) * packed.size(1) * kCols;
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == cells &&
+              wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == cells,
+              "mm8: scales and sums must be the tensors pack8 returned");
+  check_inputs("mm8", x.size(1), packed);
+  return {x.size(0), x.size(1), packed.size(0) * kCols, true};
 }
 
 }  // namespace dspark::amx

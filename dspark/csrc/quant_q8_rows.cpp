@@ -98,15 +98,8 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
 
 // y [M, N] bf16 = x [M, K] bf16 (quantized to int8 per row and group of 32) @ w.T, w from pack8().
 at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& wsum) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "mm8: x must be [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == 2 * kTileBytes &&
-              packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm8: not a weight from pack8");
-  const int64_t rows = x_in.size(0), k = x_in.size(1), g = k / kGroup, pairs = packed.size(0) / 2;
-  const int64_t n = packed.size(0) * kCols, cells = packed.size(0) * packed.size(1) * kCols;
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == cells &&
-              wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == cells,
-              "mm8: scales and sums must be the tensors pack8 returned");
-  TORCH_CHECK(k % kGroup == 0 && packed.size(1) == g, "mm8: x has ", k, " inputs, the weight ", packed.size(1) * kGroup);
+  const MatmulShape s = check_mm8(x_in, at::kBFloat16, packed, dm, wsum);
+  const int64_t rows = s.rows, n = s.n, pairs = packed.size(0) / 2;
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0) return y;
   const at::Tensor x = x_in.contiguous();

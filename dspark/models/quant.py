@@ -245,9 +245,9 @@ def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.M
     return Int4Linear(quantize_int4(weight.detach().float()), bias, weight.dtype)
 
 
-def draft_packable(weight: torch.Tensor) -> bool:
-    """Whether :func:`draft_linear` makes ``weight`` cheaper to run than as it is: a CPU weight in
-    bf16/fp16 (pre-packed, or int4), or in the float32 the AVX2 kernels take (int4)."""
+def cpu_packable(weight: torch.Tensor) -> bool:
+    """Whether an inference linear here runs ``weight`` cheaper than as it is: a CPU weight in
+    bf16/fp16 (pre-packed, or int4/int8), or in the float32 the AVX2 kernels take."""
     return weight.device.type == "cpu" and (cpu_reduced_precision(weight) or weight.dtype == cpu_ops.quant_dtype())
 
 
@@ -297,8 +297,7 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
             stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
             stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
     forget_stack(model.layers)
-    head_w = model.lm_head.weight
-    if dev.type == "cpu" and (cpu_reduced_precision(head_w) or head_w.dtype == cpu_ops.quant_dtype()):
+    if cpu_packable(model.lm_head.weight):
         model.lm_head = _cpu_head(model.lm_head, quantized=bool({"Int4Linear", "Int8Linear"} & set(summary)),
                                   head_blocks=head_blocks)
         log.info("LM head: %s", type(model.lm_head).__name__)

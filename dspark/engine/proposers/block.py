@@ -17,7 +17,7 @@ from dspark.engine.structured import TreeConstraint
 from dspark.engine.tree import build_trees
 from dspark.models.drafters.checkpoint import load_drafter
 from dspark.models.packed import pack_linears
-from dspark.models.quant import draft_linear, draft_packable
+from dspark.models.quant import cpu_packable, draft_linear
 
 
 class BlockProposer(Proposer):
@@ -32,8 +32,8 @@ class BlockProposer(Proposer):
         # the backbone's projections; the heads' weights are read directly
         self.drafter.pack_context_kv(draft_linear)
         self.drafter.use_kernel_norms()
-        pack_linears(self.drafter.layers, make=draft_linear, takes=draft_packable)
-        pack_linears(self.drafter, only=("fc",), make=draft_linear, takes=draft_packable)
+        pack_linears(self.drafter.layers, make=draft_linear, takes=cpu_packable)
+        pack_linears(self.drafter, only=("fc",), make=draft_linear, takes=cpu_packable)
         dc = self.drafter.config
         self.name = dc.kind
         if cfg.block_size is not None and cfg.block_size > dc.num_drafts:

@@ -21,7 +21,7 @@ from dspark.models import cpu_ops
 from dspark.models.fused import decoder_forward, forget_stack, kernels_for
 from dspark.models.layers import DecoderLayer, RMSNorm, Rotary
 from dspark.models.llama import LlamaConfig
-from dspark.models.quant import draft_linear, draft_packable
+from dspark.models.quant import cpu_packable, draft_linear
 
 
 @dataclass
@@ -194,7 +194,7 @@ class BlockDrafter(nn.Module):
         # target ids of the reduced draft vocabulary (None: the full one)
         self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size) if c.draft_vocab_size else None)
         self._head_cache: tuple | None = None  # (key, rows of the LM head for the draft vocabulary)
-        self._packed_head: tuple | None = None  # (those rows, a PackedLinear of them) for CPU inference
+        self._packed_head: tuple | None = None  # (those rows, their inference linear or None) for inference
         conf_in = c.hidden_size + (c.markov_rank if c.markov_rank > 0 else 0)
         self.confidence_head = ConfidenceHead(conf_in) if c.confidence_head else None
         # the target's embedding and head, kept in a tuple so they are not registered as ours
@@ -221,12 +221,14 @@ class BlockDrafter(nn.Module):
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Float logits over the draft vocabulary (the target's when there is no reduced one)."""
         w = self._head_weight()
-        if self.draft_to_target is None or torch.is_grad_enabled() or not draft_packable(w):
+        if self.draft_to_target is None or torch.is_grad_enabled():
             return F.linear(h, w).float()
-        # inference on CPU: the rows packed once (aten::mm re-lays them every call), or int4
+        # inference: on CPU the rows packed once (aten::mm re-lays them every call), or int4; whether
+        # they can be is decided with the packing, not on every pass
         if self._packed_head is None or self._packed_head[0] is not w:
-            self._packed_head = (w, draft_linear(w))
-        return self._packed_head[1](h).float()
+            self._packed_head = (w, draft_linear(w) if cpu_packable(w) else None)
+        packed = self._packed_head[1]
+        return (F.linear(h, w) if packed is None else packed(h)).float()
 
     def to_target_vocab(self, logits: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
         """Draft-vocabulary values -> [.., V] target-vocabulary ones, `fill` elsewhere."""

@@ -236,12 +236,20 @@ def run_requests(engine, requests, spec: bool = True) -> list:
 def one_thread() -> Iterator[None]:
     """Run tiny models on one thread: their ops are too small to gain from two, and under CPU
     contention two spinning OpenMP threads make them many times slower. Same numbers."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    with cpu_threads(1):
+        yield
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """torch on n threads inside the block (a real model's batch of hundreds of rows in a module
+    that otherwise runs tiny ones on one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(n)
+        torch.set_num_threads(before)
 
 
 def tree_mask(n: int, g: torch.Generator) -> torch.Tensor:

@@ -24,15 +24,16 @@ def prompts():
 
 def _reference(hf, prompt: list[int], stop: int, n: int, min_tokens: int) -> list[int]:
     """Greedy decoding with transformers, `stop` banned for the first min_tokens, until it appears."""
-    ids = list(prompt)
     out: list[int] = []
+    step, past = torch.tensor([prompt]), None
     with torch.no_grad():
         while len(out) < n:
-            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            res = hf(step, past_key_values=past, use_cache=True)
+            logits, past = res.logits[0, -1].float(), res.past_key_values
             if len(out) < min_tokens:
                 logits[stop] = float("-inf")
             out.append(int(logits.argmax()))
-            ids.append(out[-1])
+            step = torch.tensor([[out[-1]]])
             if out[-1] == stop:
                 break
     return out
@@ -43,13 +44,15 @@ def test_greedy_min_tokens_equal_a_reference(folders, prompts, drafter, tree):
     hf = transformers.AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
     engine = make_engine(folders["target"], folders.get(drafter, drafter), tree=tree, tree_budget=8)
     greedy = SamplingParams(temperature=0.0, max_tokens=60)
+    cases = []  # (prompt, stop, min_tokens): the ban lifts at different places in a drafted block
     for prompt, full in zip(prompts, run_requests(engine, [(p, greedy, None) for p in prompts])):
         stop = full.token_ids[2]  # would end the output at its third token
-        for low in (MIN, 20, 25, 27, 30):  # the ban lifts at different places in a drafted block
-            params = dataclasses.replace(greedy, stop_token_ids=[stop], min_tokens=low)
-            out = run_requests(engine, [(prompt, params, None)])[0]
-            assert out.token_ids == _reference(hf, prompt, stop, 60, low)
-            assert len(out.token_ids) > low and stop not in out.token_ids[:low]
+        cases += [(prompt, stop, low) for low in (MIN, 20, 25, 27, 30)]
+    outs = run_requests(engine, [(prompt, dataclasses.replace(greedy, stop_token_ids=[stop], min_tokens=low), None)
+                                 for prompt, stop, low in cases])
+    for (prompt, stop, low), out in zip(cases, outs):
+        assert out.token_ids == _reference(hf, prompt, stop, 60, low)
+        assert len(out.token_ids) > low and stop not in out.token_ids[:low]
     if drafter == "dspark":
         assert engine.spec_stats.accepted > 0
 

@@ -149,6 +149,37 @@ def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch
             torch.testing.assert_close(qb(xi), da(xi), atol=tol * da(xi).abs().max().item(), rtol=0)
 
 
+def test_kept_blocks_are_cached_beside_the_converted_copy(tmp_path) -> None:  # noqa: ANN001
+    """The blocks a GGUF keeps are parsed once and read back from the converted folder, equal to a
+    fresh parse; a file of another format version is parsed again and replaced."""
+    from safetensors.torch import save_file
+    from test_loader import _tiny
+
+    from dspark.models.gguf_blocks import KEPT_FILE, gguf_head_blocks, gguf_linear_parts, kept_blocks
+
+    model = _tiny("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    src = tmp_path / "q.gguf"
+    _write_quantized_gguf(src, model, T.Q4_1)
+    reader = gguf.GGUFReader(str(src))
+    want_parts, want_head = gguf_linear_parts(reader), gguf_head_blocks(reader)
+    assert len(want_parts) == 8
+
+    def same(got) -> bool:  # noqa: ANN001
+        parts, head = got
+        return head is None and want_head is None and parts.keys() == want_parts.keys() and all(
+            parts[n][0] == want_parts[n][0] and all(torch.equal(getattr(parts[n][1], f), getattr(want_parts[n][1], f))
+                                                    for f in ("q", "scale", "zero")) for n in parts)
+
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    assert same(kept_blocks(str(src), folder)) and (folder / KEPT_FILE).is_file()
+    src.write_bytes(b"not a gguf any more")  # so the next answer can only come from the cache
+    assert same(kept_blocks(str(src), folder))
+    save_file({"x": torch.zeros(1)}, str(folder / KEPT_FILE), metadata={"version": "0"})
+    with pytest.raises(ValueError, match="GGUF magic invalid"):  # stale: the GGUF is read again
+        kept_blocks(str(src), folder)
+
+
 @pytest.mark.parametrize("quant,dtype", [("int4", "float32"), ("int8", "float32"), ("int4", "bfloat16"),
                                          ("none", "bfloat16")])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

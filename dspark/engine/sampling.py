@@ -27,14 +27,20 @@ def warp_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     k = torch.where(top_k <= 0, torch.full_like(top_k, V), top_k.clamp(max=V))
     need_filter = bool((k < V).any()) or bool((top_p < 1).any())
     if need_filter:
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        rank = torch.arange(V, device=x.device)
+        # where every row keeps at most kmax tokens, its survivors are among its kmax largest:
+        # a partial top-k instead of sorting the whole vocabulary (the common top_k=20..50 case)
+        kmax = int(k.max()) if k.numel() else V
+        if kmax < V:
+            sorted_x, order = x.topk(kmax, dim=-1)
+        else:
+            sorted_x, order = x.sort(dim=-1, descending=True)
+        rank = torch.arange(sorted_x.shape[-1], device=x.device)
         # top-k first, then top-p over the renormalised survivors (vLLM's and HF's order)
         sorted_x = sorted_x.masked_fill(rank >= k[..., None], float("-inf"))
         probs_sorted = sorted_x.softmax(-1)
         before = probs_sorted.cumsum(-1) - probs_sorted  # mass strictly above this token
         sorted_x = sorted_x.masked_fill(before >= top_p[..., None].float(), float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+        x = torch.full_like(x, float("-inf")).scatter_(-1, order, sorted_x)
     probs = x.softmax(-1)
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)

@@ -77,7 +77,7 @@ class SpecStats:
                 "verified_per_pos": list(self.verified_per_pos)}
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues look requests up by object, and field-wise equality is O(fields)
 class Sequence:
     """A request as the engine tracks it. The last output token is the "anchor": sampled
     but not yet run through the target, so num_cached == len(all_ids) - 1 while decoding."""

@@ -82,13 +82,26 @@ def layout(works: list[Work]) -> tuple[list, list[int], str, list | None, torch.
     return items, rows, "custom", masks, positions
 
 
-def _params(seqs: list[Sequence], width: int):
-    """Temperature, top-k, top-p and min-p per request, one column per verified slot."""
-    t = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
-    k = torch.tensor([s.params.top_k for s in seqs])
-    p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
-    m = torch.tensor([s.params.min_p for s in seqs], dtype=torch.float32)
-    return tuple(x[:, None].expand(len(seqs), width) for x in (t, k, p, m))
+def _warp_padded(sampled: list[tuple[Work, torch.Tensor]], width: int) -> torch.Tensor:
+    """[R, width, V] probabilities of each request's verified rows under its temperature, top-k,
+    top-p and min-p; zero past its own rows. Only the real rows are warped: a batch of short
+    chains beside one long looked-up chain would otherwise sort padding."""
+    logits = torch.cat([rows for _, rows in sampled])
+    counts = torch.tensor([rows.shape[0] for _, rows in sampled])
+    params = [w.seq.params for w, _ in sampled]
+
+    def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).repeat_interleave(counts).to(logits.device)
+
+    probs = warp_logits(logits, per_row([q.temperature for q in params], torch.float32),
+                        per_row([q.top_k for q in params], torch.long),
+                        per_row([q.top_p for q in params], torch.float32),
+                        per_row([q.min_p for q in params], torch.float32))
+    out = probs.new_zeros(len(sampled), width, probs.shape[-1])
+    r = torch.arange(len(sampled)).repeat_interleave(counts)
+    c = torch.cat([torch.arange(int(n)) for n in counts])
+    out[r.to(probs.device), c.to(probs.device)] = probs
+    return out
 
 
 def _uniforms(seqs: list[Sequence], needs: list[list[int]], width: int) -> torch.Tensor:
@@ -162,13 +175,11 @@ def accept(works: list[Work], logits: torch.Tensor | None) -> None:
     if chains:
         R, K = len(chains), max(len(w.drafts) for w, _ in chains)
         V = logits.shape[-1]
-        lg = logits.new_zeros(R, K + 1, V)
         drafts = torch.zeros(R, max(K, 1), dtype=torch.long)
-        for r, (w, rows) in enumerate(chains):
-            lg[r, :rows.shape[0]] = rows
+        for r, (w, _) in enumerate(chains):
             drafts[r, :len(w.drafts)] = torch.tensor(w.drafts, dtype=torch.long)
         seqs = [w.seq for w, _ in chains]
-        p = warp_logits(lg, *(x.to(dev) for x in _params(seqs, K + 1)))
+        p = _warp_padded(chains, K + 1)
         lens = torch.tensor([len(w.drafts) for w, _ in chains], device=dev)
         q = _draft_probs([w for w, _ in chains], K, V, dev)
         u = _uniforms(seqs, [list(range(len(w.drafts))) for w, _ in chains], K + 1).to(dev)
@@ -179,12 +190,9 @@ def accept(works: list[Work], logits: torch.Tensor | None) -> None:
                 w.kept_rows = list(range(a + 1))
             w.new_tokens = w.drafts[:a] + [int(nxt[r])]
     if trees:
-        R, N1 = len(trees), max(len(w.tokens) for w, _ in trees)
-        lg = logits.new_zeros(R, N1, logits.shape[-1])
-        for r, (_w, rows) in enumerate(trees):
-            lg[r, :rows.shape[0]] = rows
+        N1 = max(len(w.tokens) for w, _ in trees)
         seqs = [w.seq for w, _ in trees]
-        p = warp_logits(lg, *(x.to(dev) for x in _params(seqs, N1)))
+        p = _warp_padded(trees, N1)
         D = max(max(w.tree.depths, default=0) for w, _ in trees)
         u = _uniforms(seqs, _tree_needs([w.tree for w, _ in trees]), D * N1 + 1).to(dev)
         paths, nxt = accept_trees(p, [w.tree for w, _ in trees], u)

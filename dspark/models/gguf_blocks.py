@@ -7,9 +7,14 @@ memory-mapped file and fused the way the model fuses them (q/k/v, gate/up).
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from dspark.atomic import atomic_path
 from dspark.models.loader import gguf_heads, gguf_hf_name, unpermute_rotary_rows
 from dspark.models.quant import GROUP, Int4Weight, Int8Weight, quantize_int8
 
@@ -19,6 +24,7 @@ _FUSED = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 
           "down_proj": ("mlp.down_proj", 0)}
 _PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+log = logging.getLogger(__name__)
 
 
 def _block_scale(blocks: np.ndarray) -> np.ndarray:
@@ -98,3 +104,68 @@ def gguf_head_blocks(reader) -> tuple[torch.Tensor, torch.Tensor] | None:  # noq
     n, k = (int(x) for x in reversed(t.shape))
     codes, scale = _q8_0(np.ascontiguousarray(np.asarray(t.data)).reshape(n, k // GROUP, -1))
     return torch.from_numpy(codes.reshape(n, k)), torch.from_numpy(scale)
+
+
+# The kept blocks of a converted GGUF, saved beside its dense copy: parsing a GGUF header walks its
+# whole vocabulary and merges in Python (seconds on every start), reading this back takes a blink.
+# Safetensors inside, but not named *.safetensors: the folder's dense weights are all of those.
+KEPT_FILE = "gguf_blocks.st"
+_KEPT_VERSION = "1"  # bump when what gguf_linear_parts or gguf_head_blocks return changes
+
+LinearParts = dict[str, tuple[str, Int4Weight | Int8Weight]]
+HeadBlocks = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def kept_blocks(gguf_path: str, folder: str | Path) -> tuple[LinearParts, HeadBlocks]:
+    """(gguf_linear_parts, gguf_head_blocks) of the GGUF at gguf_path, from ``folder/KEPT_FILE``
+    (its converted copy's folder) when that was written for this file, else read from the GGUF
+    and written there for the next start (skipped where the folder is read-only)."""
+    from gguf import GGUFReader
+
+    path = Path(folder) / KEPT_FILE
+    kept = _load_kept(path)
+    if kept is not None:
+        return kept
+    reader = GGUFReader(gguf_path)
+    parts, head = gguf_linear_parts(reader), gguf_head_blocks(reader)
+    try:
+        _save_kept(path, parts, head)
+    except OSError as e:
+        log.info("kept GGUF blocks not cached in %s: %s", path, e)
+    return parts, head
+
+
+def _save_kept(path: Path, parts: LinearParts, head: HeadBlocks) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (layout, w) in parts.items():
+        # int4 codes are 0..15: a byte each on disk, int32 again once read
+        tensors[f"{name}.q"] = w.q.to(torch.uint8) if layout == "Q4" else w.q
+        tensors[f"{name}.scale"] = w.scale
+        if layout == "Q4":
+            tensors[f"{name}.zero"] = w.zero
+    if head is not None:
+        tensors["lm_head.codes"], tensors["lm_head.scale"] = head
+    meta = {"version": _KEPT_VERSION, "layouts": json.dumps({n: layout for n, (layout, _) in parts.items()})}
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        tmp.chmod(0o644)  # as the converted folder's other files: the cache may be shared
+
+
+def _load_kept(path: Path) -> tuple[LinearParts, HeadBlocks] | None:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("version") != _KEPT_VERSION:
+            return None
+        parts: LinearParts = {}
+        for name, layout in json.loads(meta["layouts"]).items():
+            q, scale = f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale")
+            parts[name] = (layout, Int4Weight(q.to(torch.int32), scale, f.get_tensor(f"{name}.zero"))
+                           if layout == "Q4" else Int8Weight(q, scale))
+        head = (f.get_tensor("lm_head.codes"), f.get_tensor("lm_head.scale")) if "lm_head.codes" in f.keys() else None
+    return parts, head

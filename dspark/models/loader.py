@@ -119,7 +119,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, quan
     net = LlamaModel(LlamaConfig.from_hf(load_config(folder)))
     net.load_hf_state_dict(load_state_dict(folder, dtype))
     net = net.to(device, dtype).eval()
-    net.quantization = quantize_target(net, quantization, model)
+    net.quantization = quantize_target(net, quantization, model, folder)
     return net, folder
 
 

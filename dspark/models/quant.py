@@ -330,21 +330,19 @@ def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
     return (Int4Linear if kind == "int4" else Int8Linear)(w, lin.bias, dtype, dense_copy)
 
 
-def quantize_target(model: nn.Module, mode: str, model_arg: str | None) -> dict:
-    """:func:`quantize_model` for a target loaded from ``model_arg`` (a ``--model`` value): when
-    that is a GGUF and the layers may stay quantized on CPU, its own blocks are read back."""
-    from gguf import GGUFReader
-
-    from dspark.models.gguf_blocks import gguf_head_blocks, gguf_linear_parts
+def quantize_target(model: nn.Module, mode: str, model_arg: str | None, folder: str) -> dict:
+    """:func:`quantize_model` for a target loaded from ``model_arg`` (a ``--model`` value) through
+    its HF folder: when that is a GGUF's converted copy and the layers may stay quantized on CPU,
+    the file's own blocks are read back (cached in that folder)."""
+    from dspark.models.gguf_blocks import kept_blocks
     from dspark.models.loader import source_gguf
 
     check_quantization(mode)
     w = next(model.parameters())
     keeps_blocks = any(_resolve(mode, kind, w.device, w.dtype) != "none" for kind in ("Q4", "Q8_0"))
     gguf = source_gguf(model_arg) if keeps_blocks else None
-    reader = GGUFReader(gguf) if gguf else None  # parsing the header takes seconds: once
-    parts = gguf_linear_parts(reader) if reader else None
-    summary = quantize_model(model, mode, parts, gguf_head_blocks(reader) if reader else None)
+    parts, head = kept_blocks(gguf, folder) if gguf else (None, None)
+    summary = quantize_model(model, mode, parts, head)
     log.info("decoder-layer linears (--quantization %s): %s", mode, summary)
     _return_freed_heap()
     return summary

@@ -43,6 +43,9 @@ class LLM:
     conversations given as lists of chat messages)."""
 
     def __init__(self, model: str | None = None, drafter: str | None = None, **kwargs):
+        # as `dspark serve`, `generate` and `bench`: verify only what pays at the measured cost,
+        # so the Python API never runs slower than plain decoding where `dspark serve` would not
+        kwargs.setdefault("policy", "load-aware")
         spec_keys = {f.name for f in dataclasses.fields(SpecConfig)}
         spec = SpecConfig(drafter=drafter, **{k: kwargs.pop(k) for k in list(kwargs) if k in spec_keys})
         self._attach(Engine(EngineConfig(model=model, spec=spec, **kwargs)))

@@ -16,6 +16,7 @@ tokens it adds, its drafts, a tree's compaction) always lie in the request's own
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,10 +183,20 @@ class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device):
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
         self.page_size = page_size
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """torch.zeros, except on CPU the memory comes from calloc: the OS maps zero pages as they
+    are first written, so a cache of gigabytes costs neither seconds at start nor resident
+    memory until requests fill it (torch.zeros writes every byte up front)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(size, dtype=np.uint8)).view(dtype).view(shape)

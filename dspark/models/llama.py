@@ -99,6 +99,18 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
 
+    @classmethod
+    def for_loading(cls, c: LlamaConfig) -> LlamaModel:
+        """The model with its parameters allocated on CPU but not initialized, for weights about to
+        be loaded: the random init they would replace costs a second or more at start-up."""
+        with torch.device("meta"):
+            net = cls(c)
+        net.to_empty(device="cpu")
+        if c.tie_word_embeddings:  # to_empty gives each module its own tensor
+            net.lm_head.weight = net.embed_tokens.weight
+        net.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)  # computed, never loaded
+        return net
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, kv,
                 capture: tuple[int, ...] = (), rows=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final normed hidden [N, H], concatenated captured layers [N, m*H] or None).

@@ -116,7 +116,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, quan
     from dspark.models.quant import quantize_target
 
     folder = resolve_model_folder(model)
-    net = LlamaModel(LlamaConfig.from_hf(load_config(folder)))
+    net = LlamaModel.for_loading(LlamaConfig.from_hf(load_config(folder)))
     net.load_hf_state_dict(load_state_dict(folder, dtype))
     net = net.to(device, dtype).eval()
     net.quantization = quantize_target(net, quantization, model, folder)

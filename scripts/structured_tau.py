@@ -11,7 +11,7 @@ SCHEMA = {"type": "object", "required": ["name", "age", "city", "hobbies"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
                          "hobbies": {"type": "array", "items": {"type": "string"}}}}
 tree = "--tree" in sys.argv
-llm = LLM(tree=tree, tree_budget=8)
+llm = LLM(tree=tree, tree_budget=8, policy="fixed")  # tau of the drafter, every draft verified
 stats = llm.engine.spec_stats
 prompts = [[{"role": "user", "content": f"Describe person number {i} as JSON with name, age, city and hobbies."}]
            for i in range(6)]

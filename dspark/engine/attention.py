@@ -106,38 +106,40 @@ class TorchAttention:
         return batch.mask == "custom" and batch.custom_masks[i] is not None
 
     def _plan_group(self, batch: AttnBatch, idx: list[int], starts: list[int], exact: bool) -> _Group:
-        S = len(idx)
-        qmax, lmax = max(batch.q_lens[i] for i in idx), max(batch.kv_lens[i] for i in idx)
+        # whole-group tensor ops, not a loop of small ones per request: at a few hundred requests
+        # a step, planning would otherwise cost a good part of a decode step
         ps = batch.page_size
-        pos = torch.arange(lmax)
-        gather = torch.zeros(S, lmax, dtype=torch.long)
-        q_index = torch.full((S, qmax), self.num_tokens, dtype=torch.long)  # pad -> zero row
-        out_rows, dest = [], []
-        mask = torch.zeros(S, qmax, lmax, dtype=torch.bool)
-        for g, i in enumerate(idx):
-            q, kv, pages = batch.q_lens[i], batch.kv_lens[i], batch.page_tables[i]
-            page_ids = torch.tensor(pages, dtype=torch.long)
-            gather[g, :kv] = page_ids[pos[:kv] // ps] * ps + pos[:kv] % ps
-            q_index[g, :q] = torch.arange(starts[i], starts[i] + q)
-            out_rows.append(torch.arange(q) + g * qmax)
-            dest.append(torch.arange(starts[i], starts[i] + q))
-            ctx = kv - q
-            if batch.mask == "full":
-                mask[g, :q, :kv] = True
-            elif self._is_tree(batch, i):
-                mask[g, :q, :ctx] = True
-                mask[g, :q, ctx:kv] = batch.custom_masks[i].to(torch.bool)
-            else:  # causal: chains and prefill chunks, in a causal pass or beside trees
-                qpos = ctx + torch.arange(q)
-                mask[g, :q, :kv] = pos[None, :kv] <= qpos[:, None]
-            if q < qmax:  # padded query rows see one key so softmax stays finite
-                mask[g, q:, 0] = True
+        q = torch.tensor([batch.q_lens[i] for i in idx])
+        kv = torch.tensor([batch.kv_lens[i] for i in idx])
+        first = torch.tensor([starts[i] for i in idx])
+        qmax, lmax = int(q.max()), int(kv.max())
+        n_pages = -(-lmax // ps)
+        table = torch.tensor([pages[:n_pages] + [0] * (n_pages - len(pages[:n_pages]))
+                              for pages in (batch.page_tables[i] for i in idx)], dtype=torch.long)
+        pos, j = torch.arange(lmax), torch.arange(qmax)
+        seen = pos < kv[:, None]  # [S, Lmax]: cached or new keys of each request
+        real = j < q[:, None]  # [S, Qmax]: real query rows (the rest is padding)
+        gather = torch.where(seen, table[:, pos // ps] * ps + pos % ps, 0)
+        q_index = torch.where(real, first[:, None] + j, self.num_tokens)  # pad -> the zero row
+        g_idx, j_idx = real.nonzero(as_tuple=True)
+        out_rows, dest = g_idx * qmax + j_idx, first[g_idx] + j_idx
+        if batch.mask == "full":
+            mask = real[:, :, None] & seen[:, None, :]
+        else:  # causal: chains and prefill chunks, in a causal pass or beside trees
+            last = (kv - q)[:, None] + j  # each query row's own position
+            mask = (pos <= last[:, :, None]) & seen[:, None, :] & real[:, :, None]
+            for g, i in enumerate(idx):
+                if self._is_tree(batch, i):
+                    n, ctx = batch.q_lens[i], batch.kv_lens[i] - batch.q_lens[i]
+                    mask[g, :n, :ctx] = True
+                    mask[g, :n, ctx:ctx + n] = batch.custom_masks[i].to(torch.bool)
+        mask[:, :, 0] |= ~real  # padded query rows see one key so softmax stays finite
         dev = self.device
         # exact groups keep their mask even when it hides nothing: SDPA's unmasked kernel sums in
         # another order, and a decoded token must match the same token verified
         keep = self.exact or not bool(mask.all())
-        return _Group(gather.to(dev), q_index.to(dev), mask.to(dev), torch.cat(out_rows).to(dev),
-                      torch.cat(dest).to(dev), exact, sdpa_masked=keep)
+        return _Group(gather.to(dev), q_index.to(dev), mask.to(dev), out_rows.to(dev), dest.to(dev), exact,
+                      sdpa_masked=keep)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -73,8 +73,9 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
         spec["ngram_assist"] = ngram_assist
     if ngram_assist_max_len is not None:
         spec["ngram_assist_max_len"] = ngram_assist_max_len
+    # fixed: every drafted token is verified, so tau measures the drafter, not the machine's costs
     llm = LLM(model=model, drafter=drafter, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-              block_size=block_size, **spec)
+              block_size=block_size, policy="fixed", **spec)
     eng = llm.engine
     rec = _StepRecorder(eng.spec) if hasattr(eng.spec, "policy") else None
     steps: list[tuple[str, list[float], int, int]] = []  # (category, conf, verified, accepted)

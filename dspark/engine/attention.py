@@ -128,7 +128,7 @@ class TorchAttention:
         else:  # causal: chains and prefill chunks, in a causal pass or beside trees
             last = (kv - q)[:, None] + j  # each query row's own position
             mask = (pos <= last[:, :, None]) & seen[:, None, :] & real[:, :, None]
-            for g, i in enumerate(idx):
+            for g, i in enumerate(idx if batch.mask == "custom" else ()):
                 if self._is_tree(batch, i):
                     n, ctx = batch.q_lens[i], batch.kv_lens[i] - batch.q_lens[i]
                     mask[g, :n, :ctx] = True

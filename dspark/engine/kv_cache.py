@@ -198,5 +198,5 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     memory until requests fill it (torch.zeros writes every byte up front)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(size, dtype=np.uint8)).view(dtype).view(shape)

@@ -29,7 +29,7 @@ def warp_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     if need_filter:
         # where every row keeps at most kmax tokens, its survivors are among its kmax largest:
         # a partial top-k instead of sorting the whole vocabulary (the common top_k=20..50 case)
-        kmax = int(k.max()) if k.numel() else V
+        kmax = int(k.max())
         if kmax < V:
             sorted_x, order = x.topk(kmax, dim=-1)
         else:

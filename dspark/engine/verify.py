@@ -98,9 +98,8 @@ def _warp_padded(sampled: list[tuple[Work, torch.Tensor]], width: int) -> torch.
                         per_row([q.top_p for q in params], torch.float32),
                         per_row([q.min_p for q in params], torch.float32))
     out = probs.new_zeros(len(sampled), width, probs.shape[-1])
-    r = torch.arange(len(sampled)).repeat_interleave(counts)
-    c = torch.cat([torch.arange(int(n)) for n in counts])
-    out[r.to(probs.device), c.to(probs.device)] = probs
+    # request by request, row by row: the order of the concatenated rows
+    out[(torch.arange(width) < counts[:, None]).to(probs.device)] = probs
     return out
 
 

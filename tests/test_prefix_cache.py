@@ -56,6 +56,7 @@ def test_outputs_and_caches_equal_an_engine_without_it(folders, fresh, drafter, 
     want = run_requests(plain, [(p, GREEDY, None) for p in prompts])
     first = run_requests(cached, [(prompts[0], GREEDY, None)])[0]
     assert cached.pool.prefix_hits == 0 and first.token_ids == want[0].token_ids
+    assert plain.pool.prefix_queries == 0 < cached.pool.prefix_queries  # nothing is looked up without it
     for i, p in enumerate(prompts):
         cached.add_request(f"again-{i}", p, GREEDY)
     steps = 0

@@ -64,6 +64,13 @@ def _assert_same(spec_outs, ref_outs):
         assert a.text == b.text, f"request {i}"
 
 
+def _assert_counts_committed(outs) -> None:
+    """A step cut short by a stop or max_tokens counts only the tokens it committed as accepted."""
+    for o in outs:
+        assert o.stats.generated == o.stats.steps + o.stats.accepted, o.stats.as_dict()
+        assert o.stats.generated < len(o.token_ids), o.stats.as_dict()  # the first came from prefill
+
+
 def _partial_steps(outs) -> int:
     """Requests whose steps include at least one partial acceptance (some, not all drafts kept)."""
     return sum(1 for o in outs if 0 < o.stats.accepted < o.stats.verified)
@@ -121,6 +128,7 @@ def test_max_tokens_inside_block(folders, prompts, plain, drafter):
         if len(o.token_ids) == sp.max_tokens:
             assert o.finish_reason == "length"
     _assert_same(outs, plain(reqs))
+    _assert_counts_committed(outs)
     if drafter == "dspark":  # some request really finished inside an accepted block
         assert any(o.stats.accepted > 0 and len(o.token_ids) == sp.max_tokens and sp.max_tokens > 2
                    for o, (_, sp) in zip(outs, reqs))
@@ -141,6 +149,7 @@ def test_stop_token_inside_block(folders, prompts, plain, drafter):
         assert o.token_ids == r.token_ids[:cut]
         assert o.finish_reason == "stop"
     _assert_same(outs, plain(reqs))
+    _assert_counts_committed(outs)
 
 
 @pytest.mark.parametrize("drafter", ["dspark", "ngram"])
@@ -249,6 +258,7 @@ def test_stop_string_ends_at_the_same_token(folders, prompts, plain, tree):
     _assert_same(outs, want)
     assert sum(o.finish_reason == "stop" and len(o.token_ids) < 40 for o in want) >= 6
     assert engine.spec_stats.accepted > 0
+    _assert_counts_committed(outs)
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

@@ -240,7 +240,9 @@ class Engine:
             if w.new_tokens:
                 committed = self._append_tokens(w.seq, w.new_tokens, w.logprobs)
                 if w.kind == "decode":
-                    a = len(w.kept_rows) - 1
+                    # a stop cuts the step short: count only what was committed, so that
+                    # generated == steps + accepted and tau and the acceptance metrics agree
+                    a = min(len(w.kept_rows), committed) - 1
                     for st in (w.seq.stats, self.spec_stats):
                         st.record(w.num_proposed, w.num_verified, a, committed, w.looked_up)
         ctx_rows = []

@@ -108,7 +108,10 @@ class PagePool:
 
     def count_admission(self, queried: int, found: int) -> None:
         """An admitted request looked up `queried` prompt tokens and found `found` cached (only
-        admitted ones count: one that waits again for room gives its matched pages back)."""
+        admitted ones count: one that waits again for room gives its matched pages back).
+        Without prefix caching nothing is looked up, so nothing counts (as vLLM)."""
+        if not self.prefix_caching:
+            return
         self.prefix_queries += queried
         self.prefix_hits += found
 

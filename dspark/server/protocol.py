@@ -202,10 +202,18 @@ class ChatMessage(_Strict):
     """One chat message; content as a string or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str | list[ContentPart] | None, info: ValidationInfo) -> str | list[ContentPart] | None:
+        # as OpenAI: only an assistant's message may leave content out (it made tool calls instead)
+        if v is None and info.data.get("role") != "assistant":
+            raise ValueError(f"a {info.data.get('role')} message needs content")
+        return v
 
     def as_dict(self) -> dict:
         """{"role", "content"} for the chat template ("developer" becomes "system"), with the

@@ -58,13 +58,13 @@ def test_greedy_min_tokens_equal_a_reference(folders, prompts, drafter, tree):
 
 
 def test_sampled_min_tokens_hold_against_eos(folders):
-    """A random 12-token target emits EOS (id 2) now and then: without min_tokens a third of 24
-    sampled outputs end before 12 tokens, with it none does, and speculation keeps drafting."""
+    """A random 12-token target emits EOS (id 2) now and then: without min_tokens about a third of
+    48 sampled outputs end before 12 tokens, with it none does, and speculation keeps drafting."""
     engine = make_engine(folders["small_target"], folders["small_dspark"])
     prompt = [3, 5, 7, 9, 4]
     base = SamplingParams(temperature=1.0, max_tokens=30)
-    free = run_requests(engine, [(prompt, dataclasses.replace(base, seed=s), None) for s in range(24)])
-    assert sum(o.finish_reason == "stop" and len(o.token_ids) < 12 for o in free) >= 6
+    free = run_requests(engine, [(prompt, dataclasses.replace(base, seed=s), None) for s in range(48)])
+    assert sum(o.finish_reason == "stop" and len(o.token_ids) < 12 for o in free) >= 10
     held = run_requests(engine, [(prompt, dataclasses.replace(base, seed=s, min_tokens=12), None)
                                  for s in range(24)])
     for o in held:

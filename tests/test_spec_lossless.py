@@ -327,28 +327,36 @@ def small(tmp_path_factory):
 
 
 SMALL_PROMPT = [3, 5, 7, 9, 3, 5, 7, 9, 3, 5, 7]  # repetitive, so n-gram drafts too
-E2E = [("none", False), ("small_dspark", False), ("small_dspark", True), ("ngram", False),
-       ("small_dspark_rv", False), ("small_dspark_rv", True), ("small_eagle3", False), ("small_eagle3", True),
-       ("draft_model", False), ("draft_model", True)]
+E2E = {"plain": ("none", False), "dspark-chain": ("small_dspark", False), "dspark-tree": ("small_dspark", True),
+       "ngram": ("ngram", False), "dspark-reduced-vocab-chain": ("small_dspark_rv", False),
+       "dspark-reduced-vocab-tree": ("small_dspark_rv", True), "eagle3-chain": ("small_eagle3", False),
+       "eagle3-tree": ("small_eagle3", True), "draft-model-chain": ("draft_model", False),
+       "draft-model-tree": ("draft_model", True)}
+# seeded requests take the race everywhere; unseeded ones the rejection-sampling paths: chains with
+# sampled q and with one-hot drafts, a reduced vocabulary's zero q, trees
+UNSEEDED = ["dspark-chain", "dspark-tree", "ngram", "dspark-reduced-vocab-chain", "draft-model-chain"]
+E2E_CASES = [(*E2E[k], True) for k in E2E] + [(*E2E[k], False) for k in UNSEEDED]
 
 
-@pytest.mark.parametrize("drafter,tree", E2E, ids=["plain", "dspark-chain", "dspark-tree", "ngram",
-                                                    "dspark-reduced-vocab-chain", "dspark-reduced-vocab-tree",
-                                                    "eagle3-chain", "eagle3-tree", "draft-model-chain",
-                                                    "draft-model-tree"])
-def test_engine_sampling_matches_target(small, drafter, tree):
+@pytest.mark.parametrize("drafter,tree,seeded", E2E_CASES,
+                         ids=[f"{k}-seeded" for k in E2E] + [f"{k}-unseeded" for k in UNSEEDED])
+def test_engine_sampling_matches_target(small, drafter, tree, seeded):
+    """Seeded requests race against their positions' noise; unseeded ones take rejection sampling."""
     n = 3000
     # the draft model: another tiny random model on the same 12-token vocabulary, sampled with q
     spec = {"drafter": None, "draft_model": small["small_draft_model"], "block_size": 3} \
         if drafter == "draft_model" else {"drafter": small.get(drafter, drafter)}
     engine = make_engine(small["small_target"], **spec, tree=tree, tree_budget=4, tree_topk=2, max_num_seqs=1000)
     sp = SamplingParams(temperature=T_E2E, top_k=K_E2E, max_tokens=4, ignore_eos=True)
-    outs = run_requests(engine, [(SMALL_PROMPT, dataclasses.replace(sp, seed=i), None) for i in range(n)])
+    outs = run_requests(engine, [(SMALL_PROMPT, dataclasses.replace(sp, seed=i if seeded else None), None)
+                                 for i in range(n)])
     pv = e2e_pvalue(outs, exact_first_three(small["small_target"], SMALL_PROMPT))
     assert pv > PASS, f"p-value {pv}"
     st = engine.spec_stats
     if drafter != "none":  # both acceptances and rejections happened on the way
         assert 0 < st.accepted < st.verified, st.as_dict()
+    if not seeded:
+        return
     # seeded requests are reproducible
     again = run_requests(engine, [(SMALL_PROMPT, dataclasses.replace(sp, seed=i), None) for i in range(5)])
     assert [o.token_ids for o in again] == [o.token_ids for o in outs[:5]]

@@ -148,14 +148,15 @@ class Engine:
                              f"(size {vocab})")
         if params.max_tokens is None:  # up to the context (the server resolves it before it gets here)
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
-        gen = None if params.greedy else torch.Generator().manual_seed(seed)
+        seeded = params.seed is not None and not params.greedy
+        gen = None if params.greedy or seeded else torch.Generator().manual_seed(self._seeds.getrandbits(62))
         early = frozenset(self.eos_ids | set(params.stop_token_ids)) if params.min_tokens else frozenset()
         if params.allowed_token_ids is not None and early.issuperset(params.allowed_token_ids):
             raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens bans: nothing could be "
                              "generated")
         seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_ids=ids, params=params,
-                       generator=gen, eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+                       generator=gen, seed=params.seed if seeded else None,
+                       eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
                        early_stop_ids=early, spec_enabled=spec, block_size=block_size)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars().matcher(params.structured_outputs)

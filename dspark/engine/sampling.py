@@ -1,9 +1,11 @@
 """Sampling and lossless verification, vectorized over the batch.
 
-Randomness comes in as uniforms drawn from each request's own generator, so
-seeded requests are reproducible whatever else shares their batch, and every
-sampling decision below is a tensor op (inverse-CDF sampling instead of
-torch.multinomial, which cannot take per-row generators).
+Randomness comes in as uniforms, so every sampling decision below is a tensor op
+(inverse-CDF sampling instead of torch.multinomial, which cannot take per-row
+generators). An unseeded request draws them from its own generator. A seeded
+one samples each output position by an exponential race whose noise comes from
+(seed, position) alone, so its tokens are what plain decoding with that seed
+gives, whatever was drafted, verified or batched beside it (see verify.py).
 """
 
 from __future__ import annotations
@@ -95,3 +97,48 @@ def accept_chain(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, l
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, final)
         final = torch.where(rejected[:, None], resid, final)
     return n_acc, sample(final, u_sample)
+
+
+_MASK64 = (1 << 64) - 1
+RACE_BLOCK = 256  # tokens per block of the two-level race below
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_noise(seed: int, positions: list[int], vocab_size: int) -> torch.Tensor:
+    """[len(positions), blocks + RACE_BLOCK] Exp(1) draws for race_sample, each row a fixed
+    function of (seed, output position): a position's noise never depends on what was drawn
+    before it, so a seeded request samples position j alike however its steps were cut."""
+    width = -(-vocab_size // RACE_BLOCK) + RACE_BLOCK
+    key, g = _splitmix64(seed & _MASK64), torch.Generator()
+    rows = []
+    for p in positions:
+        g.manual_seed(_splitmix64(key ^ p) >> 1)  # manual_seed takes 63 bits
+        rows.append(torch.rand(width, generator=g))
+    u = torch.stack(rows) if rows else torch.zeros(0, width)
+    return -torch.log1p(-u)  # 1 - u is in (0, 1]: no infinite draw
+
+
+def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [N, V] by an exponential race in two levels: the block of
+    RACE_BLOCK token ids whose mass over its Exp(1) draw is largest, then within it the token
+    whose probability over its slot's draw is largest. Each level is an exact race (the winner
+    is drawn in proportion to mass), so the token is exactly distributed as probs, and unlike an
+    inverse CDF it moves only where two ratios nearly tie: the rounding of a differently batched
+    pass almost never changes it, and two close distributions given the same noise mostly agree.
+    noise [N, blocks + RACE_BLOCK] from position_noise; slots share their draws across blocks,
+    which is exact since only the winning block races."""
+    N, V = probs.shape
+    nb = noise.shape[-1] - RACE_BLOCK
+    p = probs.float()
+    if nb * RACE_BLOCK != V:
+        p = torch.nn.functional.pad(p, (0, nb * RACE_BLOCK - V))
+    p = p.view(N, nb, RACE_BLOCK)
+    block = (p.sum(-1) / noise[:, :nb]).argmax(-1)
+    inside = p[torch.arange(N, device=p.device), block]
+    return block * RACE_BLOCK + (inside / noise[:, nb:]).argmax(-1)

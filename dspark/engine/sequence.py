@@ -86,8 +86,10 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # an unseeded sampled request's randomness
     eos_ids: frozenset[int]
+    # a seeded sampled request's: each output position's uniform comes from (seed, position)
+    seed: int | None = None
     # banned before min_tokens: the model's EOS (even with ignore_eos, as vLLM) and the stop token ids
     early_stop_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.engine.logits_processors import process_logits
-from dspark.engine.sampling import accept_chain, warp_logits
+from dspark.engine.sampling import accept_chain, position_noise, race_sample, warp_logits
 from dspark.engine.sequence import Sequence
 from dspark.engine.tree import DraftTree, accept_trees
 from dspark.models import cpu_ops
@@ -82,10 +82,9 @@ def layout(works: list[Work]) -> tuple[list, list[int], str, list | None, torch.
     return items, rows, "custom", masks, positions
 
 
-def _warp_padded(sampled: list[tuple[Work, torch.Tensor]], width: int) -> torch.Tensor:
-    """[R, width, V] probabilities of each request's verified rows under its temperature, top-k,
-    top-p and min-p; zero past its own rows. Only the real rows are warped: a batch of short
-    chains beside one long looked-up chain would otherwise sort padding."""
+def _warp_rows(sampled: list[tuple[Work, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities [N, V] of every request's verified rows, concatenated, under its temperature,
+    top-k, top-p and min-p; and the rows per request [R]."""
     logits = torch.cat([rows for _, rows in sampled])
     counts = torch.tensor([rows.shape[0] for _, rows in sampled])
     params = [w.seq.params for w, _ in sampled]
@@ -97,6 +96,14 @@ def _warp_padded(sampled: list[tuple[Work, torch.Tensor]], width: int) -> torch.
                         per_row([q.top_k for q in params], torch.long),
                         per_row([q.top_p for q in params], torch.float32),
                         per_row([q.min_p for q in params], torch.float32))
+    return probs, counts
+
+
+def _warp_padded(sampled: list[tuple[Work, torch.Tensor]], width: int) -> torch.Tensor:
+    """[R, width, V] probabilities of each request's verified rows (see _warp_rows); zero past its
+    own rows. Only the real rows are warped: a batch of short chains beside one long looked-up
+    chain would otherwise sort padding."""
+    probs, counts = _warp_rows(sampled)
     out = probs.new_zeros(len(sampled), width, probs.shape[-1])
     # request by request, row by row: the order of the concatenated rows
     out[(torch.arange(width) < counts[:, None]).to(probs.device)] = probs
@@ -168,8 +175,11 @@ def accept(works: list[Work], logits: torch.Tensor | None) -> None:
         best = greedy_tokens(logits).tolist()
         for w, start, n in greedy:
             _accept_greedy(w, best[start:start + n])
-    chains = [(w, lg) for w, lg in sampled if w.tree is None]
-    trees = [(w, lg) for w, lg in sampled if w.tree is not None]
+    seeded = [(w, lg) for w, lg in sampled if w.seq.seed is not None]
+    if seeded:
+        _accept_seeded(seeded)
+    chains = [(w, lg) for w, lg in sampled if w.tree is None and w.seq.seed is None]
+    trees = [(w, lg) for w, lg in sampled if w.tree is not None and w.seq.seed is None]
     dev = logits.device if logits is not None else None
     if chains:
         R, K = len(chains), max(len(w.drafts) for w, _ in chains)
@@ -198,6 +208,32 @@ def accept(works: list[Work], logits: torch.Tensor | None) -> None:
         for r, (w, _) in enumerate(trees):
             w.kept_rows = [0] + paths[r]
             w.new_tokens = [w.tree.tokens[i - 1] for i in paths[r]] + [int(nxt[r])]
+
+
+def _accept_seeded(seeded: list[tuple[Work, torch.Tensor]]) -> None:
+    """Seeded requests: every verified row is sampled with the noise of the output position it
+    predicts, and drafts are kept while they equal those samples (greedy acceptance against
+    them). Each committed token is then exactly the one plain decoding with this seed samples at
+    its position, so the output depends on neither the drafts nor how many were verified (the
+    load-aware policy's choice varies with timing). The price: a sampled draft survives with
+    probability P(draft == sample) rather than rejection sampling's sum(min(p, q)); the
+    drafter races with the same noise (chain_walk.py), which keeps the two close."""
+    probs, _ = _warp_rows(seeded)
+    V = probs.shape[-1]
+    noise = torch.cat([position_noise(w.seq.seed, [len(w.seq.output_ids) + d for d in _row_depths(w)], V)
+                       for w, _ in seeded])
+    best = race_sample(probs, noise.to(probs.device)).tolist()
+    start = 0
+    for w, rows in seeded:
+        _accept_greedy(w, best[start:start + rows.shape[0]])
+        start += rows.shape[0]
+
+
+def _row_depths(w: Work) -> list[int]:
+    """How far past the anchor each verified row of a work predicts (its output position offset)."""
+    if w.tree is not None:
+        return [0] + list(w.tree.depths)
+    return list(range(w.num_logit_rows))
 
 
 def _accept_greedy(w: Work, best: list[int]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dspark.engine.proposal import Draft
-from dspark.engine.sampling import sample, warp_logits
+from dspark.engine.sampling import position_noise, race_sample, sample, warp_logits
 from dspark.engine.sequence import Sequence
 from dspark.engine.structured import DraftConstraint
 from dspark.engine.tree import DraftTree
@@ -18,10 +18,11 @@ class ChainWalk:
 
     Greedy batches take the argmax (over a reduced draft vocabulary when ``to_target`` maps it to
     target ids, skipping a scatter to the target's); sampled batches draw from each request's
-    warped distribution with uniforms from its own generator, and keep those distributions as q
-    (lossless acceptance needs them). Requests under a grammar draft only what it admits. Each
-    token's draft probability is kept as its confidence unless ``draft_confidence`` is False (a
-    proposer with a confidence head has its own). Call ``pick`` once per position, then ``drafts``."""
+    warped distribution (with its own generator's uniforms, or a seeded request's positions'
+    noise) and keep those distributions as q (lossless acceptance needs them). Requests under a
+    grammar draft only what it admits. Each token's draft probability is kept as its confidence
+    unless ``draft_confidence`` is False (a proposer with a confidence head has its own). Call
+    ``pick`` once per position, then ``drafts``."""
 
     def __init__(self, seqs: list[Sequence], steps: int, vocab_size: int, to_target: torch.Tensor | None,
                  device: torch.device, draft_confidence: bool = True, draws: list[int] | None = None):
@@ -31,14 +32,20 @@ class ChainWalk:
         if not self.greedy:
             self.warp = [torch.tensor([getattr(s.params, f) for s in seqs], device=device)
                          for f in ("temperature", "top_k", "top_p", "min_p")]
-            # a seeded request draws as many uniforms as it may propose (draws[r]), whatever else
-            # shares the batch, so its output does not depend on its neighbours
+            # an unseeded request draws only as many uniforms as it may propose (draws[r]); a
+            # seeded one drafts position j with the noise the target samples j with (verify.py),
+            # so where draft and target distributions agree, so do their tokens
             u = torch.full((len(seqs), steps), 0.5)
             for r, s in enumerate(seqs):
                 n = steps if draws is None else min(steps, draws[r])
                 if s.generator is not None and n:
                     u[r, :n] = torch.rand(n, generator=s.generator)
             self.u = u.to(device)
+            self.seeded = [r for r, s in enumerate(seqs) if s.seed is not None]
+            if self.seeded:  # [steps, seeded rows, noise width]
+                starts = [len(seqs[r].output_ids) for r in self.seeded]
+                self.noise = torch.stack([position_noise(seqs[r].seed, list(range(j, j + steps)), vocab_size)
+                                          for r, j in zip(self.seeded, starts)], 1).to(device)
         grammars = [s.grammar for s in seqs]
         self.constraint = DraftConstraint(grammars, vocab_size, to_target if self.greedy else None) \
             if any(g is not None for g in grammars) else None
@@ -73,6 +80,8 @@ class ChainWalk:
         else:
             q = warp_logits(logits, *self.warp)
             tok = sample(q, self.u[:, k])
+            if self.seeded:
+                tok[self.seeded] = race_sample(q[self.seeded], self.noise[k])
             if self.draft_confidence:
                 self.conf.append(q.gather(-1, tok[:, None]).squeeze(-1))
             self.probs.append(q)

@@ -74,14 +74,16 @@ def evaluate(drafter: str, prompts_file: str, num_prompts: int | None = None, pe
     if ngram_assist_max_len is not None:
         spec["ngram_assist_max_len"] = ngram_assist_max_len
     # fixed: every drafted token is verified, so tau measures the drafter, not the machine's costs
+    # sampled requests without their own seed take rejection sampling, as a client's usually do
+    # (a seeded one races, docs/api.md); the engine's seed still makes the run repeat
     llm = LLM(model=model, drafter=drafter, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-              block_size=block_size, policy="fixed", **spec)
+              block_size=block_size, policy="fixed", seed=seed, **spec)
     eng = llm.engine
     rec = _StepRecorder(eng.spec) if hasattr(eng.spec, "policy") else None
     steps: list[tuple[str, list[float], int, int]] = []  # (category, conf, verified, accepted)
     rid_cat, sid_rid, last = {}, {}, {}
     for i, p in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
         seq = eng.add_request(f"eval-{i}", p["messages"], params)
         rid_cat[seq.request_id] = p["category"]
         sid_rid[seq.seq_id] = seq

@@ -138,7 +138,7 @@ def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     p = probs.float()
     if nb * RACE_BLOCK != V:
         p = torch.nn.functional.pad(p, (0, nb * RACE_BLOCK - V))
-    p = p.view(N, nb, RACE_BLOCK)
+    p = p.reshape(N, nb, RACE_BLOCK)
     block = (p.sum(-1) / noise[:, :nb]).argmax(-1)
     inside = p[torch.arange(N, device=p.device), block]
     return block * RACE_BLOCK + (inside / noise[:, nb:]).argmax(-1)

@@ -26,7 +26,7 @@ class SpecStats:
     steps: int = 0
     proposed: int = 0  # draft tokens the drafter produced
     verified: int = 0  # draft tokens the policy sent to the target
-    accepted: int = 0  # draft tokens the target kept
+    accepted: int = 0  # draft tokens the target kept and the request committed (not past a stop)
     generated: int = 0  # tokens committed by decode steps (accepted + corrections/bonuses)
     lookup_steps: int = 0  # steps that verified a looked-up chain (the n-gram assist) instead
     lookup_accepted: int = 0  # ... and the tokens accepted from those chains

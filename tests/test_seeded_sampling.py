@@ -34,10 +34,13 @@ def plain(folders, requests):
 
 
 def test_position_noise_is_a_fixed_function_of_seed_and_position():
-    a = position_noise(7, list(range(100)), 600)
+    a = position_noise([7] * 100, list(range(100)), 600)
     assert a.shape == (100, 3 + RACE_BLOCK) and (a > 0).all() and torch.isfinite(a).all()
-    assert torch.equal(a[40:60], position_noise(7, list(range(40, 60)), 600))
-    assert not torch.equal(position_noise(8, [3], 600)[0], a[3])
+    assert torch.equal(a[40:60], position_noise([7] * 20, list(range(40, 60)), 600))
+    assert torch.equal(position_noise([9, 7, 2**64 - 1], [5, 3, 3], 600)[1], a[3])  # rows are independent
+    assert not torch.equal(position_noise([8], [3], 600)[0], a[3])
+    assert not torch.equal(position_noise([7 + 2**32], [3], 600)[0], a[3])  # the seed's high bits count
+    assert abs(float(a.mean()) - 1) < 0.02 and abs(float(a.var()) - 1) < 0.05  # Exp(1)
 
 
 def _probs(seed: int, V: int, scale: float) -> torch.Tensor:
@@ -49,7 +52,7 @@ def test_race_sample_is_exact():
     stats = pytest.importorskip("scipy.stats")
     p = _probs(0, 600, 2.0)
     n = 20_000
-    tok = race_sample(p.expand(n, -1), position_noise(3, list(range(n)), 600))
+    tok = race_sample(p.expand(n, -1), position_noise([3] * n, list(range(n)), 600))
     counts = torch.bincount(tok, minlength=600).double()
     big = p * n >= 5  # chi-square wants expected counts of 5 or more: pool the rest
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
@@ -62,7 +65,7 @@ def test_race_sample_barely_moves_with_rounding_and_couples_close_distributions(
     """A rounding-sized change of the probabilities keeps the token; a 10%-TV change mostly does
     (the drafter's tokens agree with the target's where their distributions do)."""
     n, V = 4000, 49152
-    noise = position_noise(5, list(range(n)), V)
+    noise = position_noise([5] * n, list(range(n)), V)
     p = _probs(1, V, 3.0)
     same = race_sample(p.expand(n, -1), noise)
     wiggle = p * (1 + 1e-6 * torch.randn(V, generator=torch.Generator().manual_seed(2)))

@@ -10,6 +10,8 @@ gives, whatever was drafted, verified or batched beside it (see verify.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -99,29 +101,34 @@ def accept_chain(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, l
     return n_acc, sample(final, u_sample)
 
 
-_MASK64 = (1 << 64) - 1
+_M32 = (1 << 32) - 1
 RACE_BLOCK = 256  # tokens per block of the two-level race below
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _pcg32(x):  # noqa: ANN001, ANN202 - a Python int or an int64 tensor, each below 2**32
+    """PCG's output permutation as a 32-bit hash (Jarzynski and Olano, 2020). Every product stays
+    below 2**63, so int64 tensors compute it exactly, on any device, as Python ints do."""
+    state = (x * 747796405 + 2891336453) & _M32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _M32
+    return (word >> 22) ^ word
 
 
-def position_noise(seed: int, positions: list[int], vocab_size: int) -> torch.Tensor:
-    """[len(positions), blocks + RACE_BLOCK] Exp(1) draws for race_sample, each row a fixed
-    function of (seed, output position): a position's noise never depends on what was drawn
-    before it, so a seeded request samples position j alike however its steps were cut."""
-    width = -(-vocab_size // RACE_BLOCK) + RACE_BLOCK
-    key, g = _splitmix64(seed & _MASK64), torch.Generator()
-    rows = []
-    for p in positions:
-        g.manual_seed(_splitmix64(key ^ p) >> 1)  # manual_seed takes 63 bits
-        rows.append(torch.rand(width, generator=g))
-    u = torch.stack(rows) if rows else torch.zeros(0, width)
-    return -torch.log1p(-u)  # 1 - u is in (0, 1]: no infinite draw
+def position_noise(seeds: list[int], positions: list[int], vocab_size: int,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """[len(positions), blocks + RACE_BLOCK] Exp(1) draws for race_sample, row i a fixed function
+    of (seeds[i], positions[i]) computed by integer hashing: a position's noise never depends on
+    what was drawn before it, so a seeded request samples position j alike however its steps were
+    cut, and it is the same noise on every device. One call serves a whole batch of rows."""
+    rows = [_pcg32((_pcg32((s & _M32) ^ _pcg32((s >> 32) & _M32)) + j) & _M32) for s, j in zip(seeds, positions)]
+    slots = _slot_hashes(-(-vocab_size // RACE_BLOCK) + RACE_BLOCK).to(device)
+    h = _pcg32(torch.tensor(rows, dtype=torch.int64, device=device)[:, None] ^ slots)
+    u = ((h >> 8).float() + 0.5) * 2.0 ** -24  # 24 bits, exact in float32, strictly inside (0, 1)
+    return -torch.log1p(-u)
+
+
+@functools.lru_cache(maxsize=8)
+def _slot_hashes(width: int) -> torch.Tensor:
+    return _pcg32(torch.arange(width))
 
 
 def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

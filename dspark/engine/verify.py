@@ -220,9 +220,9 @@ def _accept_seeded(seeded: list[tuple[Work, torch.Tensor]]) -> None:
     drafter races with the same noise (chain_walk.py), which keeps the two close."""
     probs, _ = _warp_rows(seeded)
     V = probs.shape[-1]
-    noise = torch.cat([position_noise(w.seq.seed, [len(w.seq.output_ids) + d for d in _row_depths(w)], V)
-                       for w, _ in seeded])
-    best = race_sample(probs, noise.to(probs.device)).tolist()
+    rows = [(w.seq.seed, len(w.seq.output_ids) + d) for w, _ in seeded for d in _row_depths(w)]
+    noise = position_noise([s for s, _ in rows], [j for _, j in rows], V, probs.device)
+    best = race_sample(probs, noise).tolist()
     start = 0
     for w, rows in seeded:
         _accept_greedy(w, best[start:start + rows.shape[0]])

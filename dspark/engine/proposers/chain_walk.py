@@ -42,10 +42,10 @@ class ChainWalk:
                     u[r, :n] = torch.rand(n, generator=s.generator)
             self.u = u.to(device)
             self.seeded = [r for r, s in enumerate(seqs) if s.seed is not None]
-            if self.seeded:  # [steps, seeded rows, noise width]
-                starts = [len(seqs[r].output_ids) for r in self.seeded]
-                self.noise = torch.stack([position_noise(seqs[r].seed, list(range(j, j + steps)), vocab_size)
-                                          for r, j in zip(self.seeded, starts)], 1).to(device)
+            if self.seeded:  # [steps, seeded rows, noise width]: position j's noise, as verify.py's
+                at = [(seqs[r].seed, len(seqs[r].output_ids) + k) for k in range(steps) for r in self.seeded]
+                self.noise = position_noise([s for s, _ in at], [j for _, j in at], vocab_size,
+                                            device).view(steps, len(self.seeded), -1)
         grammars = [s.grammar for s in seqs]
         self.constraint = DraftConstraint(grammars, vocab_size, to_target if self.greedy else None) \
             if any(g is not None for g in grammars) else None

@@ -119,16 +119,18 @@ def position_noise(seeds: list[int], positions: list[int], vocab_size: int,
     of (seeds[i], positions[i]) computed by integer hashing: a position's noise never depends on
     what was drawn before it, so a seeded request samples position j alike however its steps were
     cut, and it is the same noise on every device. One call serves a whole batch of rows."""
-    rows = [_pcg32((_pcg32((s & _M32) ^ _pcg32((s >> 32) & _M32)) + j) & _M32) for s, j in zip(seeds, positions)]
-    slots = _slot_hashes(-(-vocab_size // RACE_BLOCK) + RACE_BLOCK).to(device)
+    keys = {s: _pcg32((s & _M32) ^ _pcg32((s >> 32) & _M32)) for s in set(seeds)}  # a request's rows share one
+    rows = [_pcg32((keys[s] + j) & _M32) for s, j in zip(seeds, positions)]
+    slots = _slot_hashes(-(-vocab_size // RACE_BLOCK) + RACE_BLOCK, torch.device(device or "cpu"))
     h = _pcg32(torch.tensor(rows, dtype=torch.int64, device=device)[:, None] ^ slots)
     u = ((h >> 8).float() + 0.5) * 2.0 ** -24  # 24 bits, exact in float32, strictly inside (0, 1)
     return -torch.log1p(-u)
 
 
 @functools.lru_cache(maxsize=8)
-def _slot_hashes(width: int) -> torch.Tensor:
-    return _pcg32(torch.arange(width))
+def _slot_hashes(width: int, device: torch.device) -> torch.Tensor:
+    """The slots' hashes, the same for every row: made once per device, not copied there each step."""
+    return _pcg32(torch.arange(width, device=device))
 
 
 def race_sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

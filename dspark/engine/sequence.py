@@ -88,7 +88,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None  # an unseeded sampled request's randomness
     eos_ids: frozenset[int]
-    # a seeded sampled request's: each output position's uniform comes from (seed, position)
+    # a seeded sampled request's: each output position's noise comes from (seed, position)
     seed: int | None = None
     # banned before min_tokens: the model's EOS (even with ignore_eos, as vLLM) and the stop token ids
     early_stop_ids: frozenset[int] = frozenset()

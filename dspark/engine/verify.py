@@ -38,11 +38,13 @@ class Work:
     def num_verified(self) -> int:
         return len(self.tree) if self.tree is not None else len(self.drafts)
 
+    def depths(self) -> list[int]:
+        """How far past this work's first token each of its tokens sits (a tree node: its depth)."""
+        return [0, *self.tree.depths] if self.tree is not None else list(range(len(self.tokens)))
+
     def positions(self) -> list[int]:
         start = self.seq.num_cached
-        if self.tree is not None:
-            return [start] + [start + d for d in self.tree.depths]
-        return list(range(start, start + len(self.tokens)))
+        return [start + d for d in self.depths()]
 
     @property
     def prompt_rows(self) -> int:
@@ -178,8 +180,9 @@ def accept(works: list[Work], logits: torch.Tensor | None) -> None:
     seeded = [(w, lg) for w, lg in sampled if w.seq.seed is not None]
     if seeded:
         _accept_seeded(seeded)
-    chains = [(w, lg) for w, lg in sampled if w.tree is None and w.seq.seed is None]
-    trees = [(w, lg) for w, lg in sampled if w.tree is not None and w.seq.seed is None]
+    unseeded = [(w, lg) for w, lg in sampled if w.seq.seed is None]
+    chains = [(w, lg) for w, lg in unseeded if w.tree is None]
+    trees = [(w, lg) for w, lg in unseeded if w.tree is not None]
     dev = logits.device if logits is not None else None
     if chains:
         R, K = len(chains), max(len(w.drafts) for w, _ in chains)
@@ -218,22 +221,17 @@ def _accept_seeded(seeded: list[tuple[Work, torch.Tensor]]) -> None:
     load-aware policy's choice varies with timing). The price: a sampled draft survives with
     probability P(draft == sample) rather than rejection sampling's sum(min(p, q)); the
     drafter races with the same noise (chain_walk.py), which keeps the two close."""
-    probs, _ = _warp_rows(seeded)
-    V = probs.shape[-1]
-    rows = [(w.seq.seed, len(w.seq.output_ids) + d) for w, _ in seeded for d in _row_depths(w)]
-    noise = position_noise([s for s, _ in rows], [j for _, j in rows], V, probs.device)
+    probs, counts = _warp_rows(seeded)
+    # the output position each row samples: a decode row's depth past the anchor; a prefill's one
+    # row samples the first output token
+    at = [(w.seq.seed, len(w.seq.output_ids) + d) for w, _ in seeded
+          for d in (w.depths() if w.kind == "decode" else [0])]
+    noise = position_noise([s for s, _ in at], [j for _, j in at], probs.shape[-1], probs.device)
     best = race_sample(probs, noise).tolist()
     start = 0
-    for w, rows in seeded:
-        _accept_greedy(w, best[start:start + rows.shape[0]])
-        start += rows.shape[0]
-
-
-def _row_depths(w: Work) -> list[int]:
-    """How far past the anchor each verified row of a work predicts (its output position offset)."""
-    if w.tree is not None:
-        return [0] + list(w.tree.depths)
-    return list(range(w.num_logit_rows))
+    for (w, _), n in zip(seeded, counts.tolist()):
+        _accept_greedy(w, best[start:start + n])
+        start += n
 
 
 def _accept_greedy(w: Work, best: list[int]) -> None:

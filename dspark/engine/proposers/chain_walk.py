@@ -42,6 +42,7 @@ class ChainWalk:
                     u[r, :n] = torch.rand(n, generator=s.generator)
             self.u = u.to(device)
             self.seeded = [r for r, s in enumerate(seqs) if s.seed is not None]
+            self.unseeded = [r for r, s in enumerate(seqs) if s.seed is None]
             if self.seeded:  # [steps, seeded rows, noise width]: position j's noise, as verify.py's
                 at = [(seqs[r].seed, len(seqs[r].output_ids) + k) for k in range(steps) for r in self.seeded]
                 self.noise = position_noise([s for s, _ in at], [j for _, j in at], vocab_size,
@@ -79,15 +80,25 @@ class ChainWalk:
             tok = self.to_target[pick] if self.to_target is not None else pick
         else:
             q = warp_logits(logits, *self.warp)
-            tok = sample(q, self.u[:, k])
-            if self.seeded:
-                tok[self.seeded] = race_sample(q[self.seeded], self.noise[k])
+            tok = self._sample(q, k)
             if self.draft_confidence:
                 self.conf.append(q.gather(-1, tok[:, None]).squeeze(-1))
             self.probs.append(q)
         self.tokens.append(tok)
         if self.constraint is not None:
             self.constraint.advance(tok, k)
+        return tok
+
+    def _sample(self, q: torch.Tensor, k: int) -> torch.Tensor:
+        """Position k's tokens from q [R, V]: seeded rows race, the others take their uniforms (each
+        sampler only over its own rows: an inverse CDF costs a pass over the vocabulary)."""
+        if not self.seeded:
+            return sample(q, self.u[:, k])
+        if len(self.seeded) == len(self.seqs):
+            return race_sample(q, self.noise[k])
+        tok = torch.empty(len(self.seqs), dtype=torch.long, device=q.device)
+        tok[self.seeded] = race_sample(q[self.seeded], self.noise[k])
+        tok[self.unseeded] = sample(q[self.unseeded], self.u[self.unseeded, k])
         return tok
 
     def take(self, tokens: torch.Tensor) -> None:

@@ -54,14 +54,7 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | list[dic
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         prompt = ChatPrompt(prompt)
     if isinstance(prompt, ChatPrompt):
-        prompt.validate()
-        try:
-            out = tokenizer.apply_chat_template(
-                prompt.messages, add_generation_prompt=prompt.add_generation_prompt,
-                continue_final_message=prompt.continue_final_message, tools=prompt.tools, tokenize=True,
-                **prompt.template_kwargs)
-        except Exception as e:  # the template's own checks (e.g. roles that must alternate)
-            raise PromptError(f"the chat template rejected the messages: {e}", "messages") from e
+        out = _apply_template(tokenizer, prompt, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
@@ -69,6 +62,22 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | list[dic
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
         return list(prompt)
     raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
+
+
+def render_chat(tokenizer, prompt: ChatPrompt) -> str:
+    """The text the model's chat template makes of a chat prompt (before tokenization)."""
+    return _apply_template(tokenizer, prompt, tokenize=False)
+
+
+def _apply_template(tokenizer, prompt: ChatPrompt, tokenize: bool):  # noqa: ANN202 - ids or text
+    prompt.validate()
+    try:
+        return tokenizer.apply_chat_template(
+            prompt.messages, add_generation_prompt=prompt.add_generation_prompt,
+            continue_final_message=prompt.continue_final_message, tools=prompt.tools, tokenize=tokenize,
+            **prompt.template_kwargs)
+    except Exception as e:  # the template's own checks (e.g. roles that must alternate)
+        raise PromptError(f"the chat template rejected the messages: {e}", "messages") from e
 
 
 def bad_word_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

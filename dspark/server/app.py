@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible completions and chat (REST + SSE), models, health, metrics.
+"""The FastAPI app: OpenAI-compatible completions and chat (REST + SSE), models, tokenization,
+health, metrics.
 
 `create_app(engine_or_config)` builds one self-contained app: its own scheduler, worker
 thread and Prometheus registry. Given an EngineConfig, the engine loads in the background
@@ -29,6 +30,7 @@ from dspark.scheduler.scheduler import AsyncEngine
 from dspark.server.metrics import ServerMetrics
 from dspark.server.protocol import APIError, error_body
 from dspark.server.serving import add_generation_routes
+from dspark.server.tokenization import add_tokenization_routes
 from dspark.server.tool_parsers import HermesParser, Llama3JsonParser, make_parser
 
 logger = logging.getLogger("dspark.server")
@@ -226,4 +228,5 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
             for name in state.names]}
 
     add_generation_routes(app, state)
+    add_tokenization_routes(app, state)
     return app

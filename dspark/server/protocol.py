@@ -7,8 +7,10 @@ search, functions, ...) are rejected when set to anything but their default.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from dspark.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
@@ -63,24 +65,24 @@ def error_body(message: str, err_type: str, param: str | None, code: int | str |
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class SpeculationOptions(_Strict):
+class SpeculationOptions(StrictModel):
     """Extension: per-request control of speculative decoding."""
 
     enabled: bool = True
     block_size: int | None = Field(None, ge=1, le=32)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     """stream_options: include_usage adds a last chunk with usage and no choices."""
 
     include_usage: bool = False
 
 
-class _Common(_Strict):
+class _Common(StrictModel):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -191,14 +193,14 @@ def _one_prompt(v: Any) -> bool:
                                   and all(isinstance(t, int) and not isinstance(t, bool) for t in v))
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     """A text part of a message's content list (the only kind this text model takes)."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One chat message; content as a string or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -230,22 +232,15 @@ class ChatMessage(_Strict):
         return out
 
 
-class ChatCompletionRequest(_Common):
-    """POST /v1/chat/completions."""
+class ChatTemplateFields(StrictModel):
+    """The fields that render chat messages into a prompt (shared by chat completions and
+    /tokenize)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM's template options (see engine/prompts.py)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    echo: bool = False  # vLLM's: the reply starts with the last message when that is the assistant's
     tools: list[ToolDefinition] | None = None
-    # None: "auto" when tools are given, else "none" (OpenAI's defaults); checked even when absent
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, validate_default=True)
-    parallel_tool_calls: bool | None = None
 
     def chat_prompt(self) -> ChatPrompt:
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
@@ -256,6 +251,19 @@ class ChatCompletionRequest(_Common):
     @classmethod
     def _tools(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
         return check_tools(v)
+
+
+class ChatCompletionRequest(ChatTemplateFields, _Common):
+    """POST /v1/chat/completions."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's: the reply starts with the last message when that is the assistant's
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults); checked even when absent
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, validate_default=True)
+    parallel_tool_calls: bool | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -286,7 +294,16 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def parse_request(cls: type[_Common], body: Any) -> _Common:
+async def read_json(request: Request) -> Any:
+    """A request's JSON body; APIError(400) when it is not JSON."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def parse_request(cls: type[StrictModel], body: Any) -> StrictModel:
     """Validate a JSON body; raises APIError(400) naming the first offending field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -306,6 +323,6 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
         param = ".".join(loc) or None
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from None
-    if req.stream_options is not None and not req.stream:
+    if getattr(req, "stream_options", None) is not None and not req.stream:
         raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
     return req

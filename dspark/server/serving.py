@@ -19,7 +19,14 @@ from starlette.background import BackgroundTask
 from dspark.engine.sequence import RequestOutput
 from dspark.scheduler.scheduler import EngineError, QueueFullError, RequestAborted, RequestStream, UnavailableError
 from dspark.server.choices import Choice, ChoiceRenderer
-from dspark.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SpeculationOptions, parse_request
+from dspark.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SpeculationOptions,
+    parse_request,
+    read_json,
+)
 from dspark.server.responses import usage_chunk
 from dspark.server.tools import AUTO_NEEDS_PARSER
 
@@ -32,14 +39,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
 def _nth_seed(seed: int | None, i: int) -> int | None:
@@ -64,7 +63,7 @@ class _Generation:
         st = self.state
         st.check_auth(self.request)
         cls = ChatCompletionRequest if self.chat else CompletionRequest
-        req = parse_request(cls, await _read_json(self.request))
+        req = parse_request(cls, await read_json(self.request))
         sched = st.require_ready()
         model = st.check_model(req.model)
         if self.chat:

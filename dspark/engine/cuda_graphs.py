@@ -153,7 +153,8 @@ class GraphPool:
         return max(0, -(-tokens // self.page_size) - pages)
 
     def run(self, batch: AttnBatch, ids: torch.Tensor) -> tuple | None:
-        """The forward's outputs for the real rows of batch (None: run it eagerly instead)."""
+        """The forward's outputs for the real rows of batch (None: run it eagerly instead), gathered
+        out of the graph's buffers: copies that the next replay leaves alone."""
         padded = self.pad(batch, ids)
         if padded is None:
             return None

@@ -36,8 +36,9 @@ class DrafterContext:
                 continue
             rows.extend(kept)
             entries.append((seq, seq.num_preemptions, start, len(kept)))
-        if rows:  # one gather, a copy: CUDA graph outputs are overwritten by the next replay
-            self.pending.append((feats[torch.tensor(rows, device=self.device)], entries))
+        if rows:  # a pass's features are its own (ForwardResult): kept whole, or the kept rows gathered
+            whole = rows == list(range(feats.shape[0]))
+            self.pending.append((feats if whole else feats[torch.tensor(rows, device=self.device)], entries))
             self.pending_rows += len(rows)
         if flush or self.pending_rows > self.MAX_PENDING_ROWS:
             self.flush()

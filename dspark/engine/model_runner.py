@@ -15,7 +15,8 @@ from dspark.engine.step_input import StepInput, run_step
 
 @dataclass
 class ForwardResult:
-    """Hidden states for every input row, captured features, and logits for chosen rows."""
+    """Hidden states for every input row, captured features, and logits for chosen rows. feats is
+    the pass's own tensor (never a buffer a later pass writes), so it may be kept as it is."""
 
     hidden: torch.Tensor
     feats: torch.Tensor | None

@@ -371,3 +371,27 @@ def test_n_choices(ngram_server):
         assert "".join(c["delta"].get("content", "") for c in mine) == full["choices"][i]["message"]["content"]
         assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [full["choices"][i]["finish_reason"]]
     assert chunks[-1]["usage"] == full["usage"]
+
+
+def test_continuous_usage_stats(ngram_server):
+    s = ngram_server
+    body = {"model": s.state.names[0], "messages": [{"role": "user", "content": "Hi"}], "temperature": 1.0,
+            "seed": 5, "max_tokens": 8, "n": 2}
+    full = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120).json()
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    status, data = stream_raw(s.url, "/v1/chat/completions", {**body, "stream": True, "stream_options": opts})
+    assert status == 200 and data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    prompt = full["usage"]["prompt_tokens"]  # one prompt, counted once
+    finals = []
+    for i in (0, 1):  # each choice's chunks carry its own usage so far, from 0 at the role chunk
+        counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] > 0
+        finals.append(counts[-1])
+    assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt +
+               c["usage"]["completion_tokens"] for c in chunks[:-1])
+    assert sum(finals) == full["usage"]["completion_tokens"] and chunks[-1]["usage"] == full["usage"]
+    # without include_usage it asks for nothing (vLLM's rule)
+    status, data = stream_raw(s.url, "/v1/chat/completions", {**body, "stream": True,
+                                                             "stream_options": {"continuous_usage_stats": True}})
+    assert status == 200 and all("usage" not in json.loads(d) for d in data[:-1])

@@ -106,7 +106,7 @@ INVALID = [
     (C, {"prompt": PROMPT, "best_of": True}, "best_of"),
     (C, {"prompt": PROMPT, "structured_outputs": {"regex": "(a+"}}, "structured_outputs"),
     (CHAT, {"messages": MSGS, "tool_choice": "required"}, "tool_choice"),
-    (C, {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+    (C, {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
      "stream_options.continuous_usage_stats"),
     (C, {"prompt": PROMPT, "stop_token_ids": [-1]}, None), (C, {"prompt": PROMPT, "stop_token_ids": 2},
                                                             "stop_token_ids"),

@@ -77,9 +77,11 @@ class SpeculationOptions(StrictModel):
 
 
 class StreamOptions(StrictModel):
-    """stream_options: include_usage adds a last chunk with usage and no choices."""
+    """stream_options: include_usage adds a last chunk with usage and no choices; with it,
+    continuous_usage_stats (vLLM's) gives every chunk its choice's usage so far."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Common(StrictModel):
@@ -310,10 +312,6 @@ def parse_request(cls: type[StrictModel], body: Any) -> StrictModel:
     for key, off in _UNSUPPORTED.items():
         if key in body and key not in cls.model_fields and not _is_off(body[key], off):
             raise APIError(400, f"{key} is not supported by this server", param=key)
-    opts = body.get("stream_options")
-    if isinstance(opts, dict) and not _is_off(opts.get("continuous_usage_stats"), (None, False)):
-        param = "stream_options.continuous_usage_stats"
-        raise APIError(400, f"{param} is not supported by this server", param=param)
     try:
         req = cls.model_validate(body)
     except ValidationError as e:

@@ -27,7 +27,7 @@ from dspark.server.protocol import (
     parse_request,
     read_json,
 )
-from dspark.server.responses import usage_chunk
+from dspark.server.responses import usage, usage_chunk
 from dspark.server.tools import AUTO_NEEDS_PARSER
 
 if TYPE_CHECKING:
@@ -137,10 +137,12 @@ class _Generation:
                 else:
                     c.echo = prompt if isinstance(prompt, str) else tok.decode(prompt)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            opts = req.stream_options
+            include_usage = bool(opts and opts.include_usage)
+            continuous = include_usage and opts.continuous_usage_stats  # as vLLM: only with include_usage
             # the background abort covers a client gone before the generator's first step (Starlette
             # may then cancel it unstarted, and its finally never runs); after a finished stream it is a no-op
-            return StreamingResponse(self._stream(include_usage), media_type="text/event-stream",
+            return StreamingResponse(self._stream(include_usage, continuous), media_type="text/event-stream",
                                      headers=SSE_HEADERS, background=BackgroundTask(self._abort))
         tasks = [asyncio.create_task(self._collect(c.stream)) for c in self.choices]
         try:  # one choice failing (or the client leaving) ends them all
@@ -221,11 +223,14 @@ class _Generation:
             for t in tasks:
                 t.cancel()
 
-    async def _stream(self, include_usage: bool) -> AsyncIterator[str]:
-        """SSE chunks; a client that disconnects cancels this generator, which aborts the request."""
+    async def _stream(self, include_usage: bool, continuous: bool) -> AsyncIterator[str]:
+        """SSE chunks; a client that disconnects cancels this generator, which aborts the request.
+        continuous: every chunk carries its choice's usage so far."""
 
-        def chunk(body: dict) -> str:  # with include_usage every chunk but the last says "usage": null
-            if include_usage:
+        def chunk(body: dict, c: Choice, completion_tokens: int) -> str:
+            if continuous:
+                body["usage"] = usage(c.stream.prompt_tokens, completion_tokens)
+            elif include_usage:  # every chunk but the last says "usage": null
                 body.setdefault("usage", None)
             return _sse(body)
 
@@ -233,14 +238,14 @@ class _Generation:
             for c in self.choices:
                 opening = self.render.opening(c)
                 if opening is not None:
-                    yield chunk(opening)
+                    yield chunk(opening, c, 0)
             async with contextlib.aclosing(self._outputs()) as outputs:
                 async for c, out in outputs:
                     if out.finished and out.finish_reason == "abort":
                         raise RequestAborted("the request was aborted")
                     body = self.render.chunk(out, c)
                     if body is not None:
-                        yield chunk(body)
+                        yield chunk(body, c, len(out.token_ids))
                     c.final = out
             finals = [c.final for c in self.choices]
             if include_usage and all(f is not None for f in finals):

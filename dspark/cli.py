@@ -48,6 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs (used by default on CUDA with the flashinfer backend)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="share the KV cache of identical prompt prefixes between requests")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
 
 
 def ignored_flags(args: argparse.Namespace, policy: str, tree_by_method: bool = False) -> list[str]:
@@ -87,7 +89,8 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-                        tensor_parallel_size=args.tensor_parallel_size, spec=spec)
+                        tensor_parallel_size=args.tensor_parallel_size, chat_template=args.chat_template,
+                        spec=spec)
 
 
 def check_at_least(args: argparse.Namespace, **bounds: int) -> None:

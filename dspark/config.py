@@ -254,6 +254,7 @@ class EngineConfig:
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     seed: int = 0  # seeds the per-request seeds of requests that give none (reproducible runs, as vLLM)
     tensor_parallel_size: int = 1  # ranks the decoder layers are split over (dspark/dist/)
+    chat_template: str | None = None  # a Jinja file or the template itself, over the tokenizer's (vLLM's)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def validate(self) -> None:
@@ -281,9 +282,31 @@ class EngineConfig:
         except RuntimeError as e:
             raise ValueError(f"unknown device {self.device!r}: {e}") from None
         self.spec.validate()
+        if self.chat_template is not None:
+            self.resolved_chat_template()
         if self.model is not None and not os.path.exists(os.path.expanduser(self.model)):
             raise ValueError(f"model path {self.model!r} does not exist; expected a Hugging Face folder "
                              "(config.json + *.safetensors) or a .gguf file")
+
+    def resolved_chat_template(self) -> str | None:
+        """chat_template's text: a file's contents when it names one, else the string itself when
+        it is a template; ValueError for a missing file or a template Jinja cannot parse."""
+        t = self.chat_template
+        if t is None:
+            return None
+        path = os.path.expanduser(t)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                t = f.read()
+        elif "{{" not in t and "{%" not in t:
+            raise ValueError(f"chat_template {t!r} is neither a file nor a Jinja template")
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(t)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat_template does not parse (line {e.lineno}): {e.message}") from None
+        return t
 
     def resolved_device(self) -> str:
         import torch

@@ -94,3 +94,32 @@ def test_text_prompt_gets_the_tokenizers_bos(folders, monkeypatch):
     monkeypatch.setattr(engine.tokenizer, "encode", with_bos)
     assert engine.encode("Hello world") == [1] + real("Hello world", add_special_tokens=False)
     assert engine.encode([5, 6, 7]) == [5, 6, 7]
+
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+def test_chat_template_replaces_the_tokenizers(folders, tmp_path):
+    from spec_helpers import make_engine
+
+    from dspark.engine.prompts import ChatPrompt, render_chat
+
+    msgs = [{"role": "user", "content": "Hi there"}]
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    for given in (TEMPLATE, str(path)):  # the template itself, or a file holding it
+        engine = make_engine(folders["target"], chat_template=given)
+        assert render_chat(engine.tokenizer, ChatPrompt(msgs)) == "<user>Hi there\n<assistant>"
+        assert engine.encode(msgs) == engine.tokenizer.encode("<user>Hi there\n<assistant>", add_special_tokens=False)
+
+
+@pytest.mark.parametrize(("template", "words"), [
+    ("/no/such/template.jinja", "neither a file nor a Jinja template"),
+    ("{% for m in messages %}{{ m }}", "does not parse"),
+])
+def test_bad_chat_template_is_refused_before_loading(template, words, monkeypatch):
+    monkeypatch.setattr("dspark.models.loader.load_state_dict", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ValueError, match=words):
+        Engine(EngineConfig(model="/nonexistent", chat_template=template))
+    assert main(["generate", "--prompt", "hi", "--chat-template", template]) == 2

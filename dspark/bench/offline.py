@@ -278,7 +278,7 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
     load_before = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     gguf = check_llamacpp(cfg.model) if "llamacpp" in methods else None  # before any model loads
     folder = resolve_model_folder(cfg.model)
-    prompt_ids = encode_prompts(load_tokenizer(folder), prompts, chat)
+    prompt_ids = encode_prompts(load_tokenizer(folder, cfg.resolved_chat_template()), prompts, chat)
 
     def load(method: str) -> EngineMethod | HFMethod | LlamaCppMethod:
         if method == "hf":

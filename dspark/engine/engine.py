@@ -68,7 +68,7 @@ class Engine:
         self.model_config = mc = self.model.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.quantization = self.model.quantization
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path, config.resolved_chat_template())
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         eos = set(mc.eos_token_id)

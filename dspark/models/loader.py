@@ -123,8 +123,9 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, quan
     return net, folder
 
 
-def load_tokenizer(folder: str):  # noqa: ANN201 - a transformers tokenizer
-    """``AutoTokenizer`` from ``folder`` (local files only), checked to keep its chat template."""
+def load_tokenizer(folder: str, chat_template: str | None = None):  # noqa: ANN201 - a transformers tokenizer
+    """``AutoTokenizer`` from ``folder`` (local files only), checked to keep its chat template;
+    chat_template (a template's text) replaces that template."""
     from transformers import AutoTokenizer
 
     try:
@@ -136,6 +137,8 @@ def load_tokenizer(folder: str):  # noqa: ANN201 - a transformers tokenizer
         cfg.exists() and "chat_template" in json.loads(cfg.read_text(encoding="utf-8")))
     if had and not tok.chat_template:
         raise ModelLoadError(f"tokenizer in {folder!r} lost its chat template")
+    if chat_template is not None:
+        tok.chat_template = chat_template
     return tok
 
 

@@ -302,8 +302,12 @@ class EngineConfig:
             raise ValueError(f"chat_template {t!r} is neither a file nor a Jinja template")
         import jinja2
 
+        try:  # compiled as transformers compiles it (its sandbox and extensions: {% break %}, ...)
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+        except ImportError:  # another transformers: a bad template shows on the first chat request
+            return t
         try:
-            jinja2.Environment().parse(t)
+            _compile_jinja_template(t)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat_template does not parse (line {e.lineno}): {e.message}") from None
         return t

@@ -114,6 +114,11 @@ def test_chat_template_replaces_the_tokenizers(folders, tmp_path):
         assert engine.encode(msgs) == engine.tokenizer.encode("<user>Hi there\n<assistant>", add_special_tokens=False)
 
 
+def test_chat_template_takes_what_transformers_compiles():
+    loop = "{% for m in messages %}{{ m.content }}{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}"
+    assert EngineConfig(chat_template=loop).resolved_chat_template() == loop  # loopcontrols, as transformers
+
+
 @pytest.mark.parametrize(("template", "words"), [
     ("/no/such/template.jinja", "neither a file nor a Jinja template"),
     ("{% for m in messages %}{{ m }}", "does not parse"),

@@ -391,7 +391,7 @@ def test_continuous_usage_stats(ngram_server):
     assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt +
                c["usage"]["completion_tokens"] for c in chunks[:-1])
     assert sum(finals) == full["usage"]["completion_tokens"] and chunks[-1]["usage"] == full["usage"]
-    # without include_usage it asks for nothing (vLLM's rule)
-    status, data = stream_raw(s.url, "/v1/chat/completions", {**body, "stream": True,
-                                                             "stream_options": {"continuous_usage_stats": True}})
-    assert status == 200 and all("usage" not in json.loads(d) for d in data[:-1])
+    # without include_usage it asks for nothing (vLLM's rule); null is false
+    for opts in ({"continuous_usage_stats": True}, {"include_usage": None, "continuous_usage_stats": None}):
+        status, data = stream_raw(s.url, "/v1/chat/completions", {**body, "stream": True, "stream_options": opts})
+        assert status == 200 and all("usage" not in json.loads(d) for d in data[:-1])

@@ -33,6 +33,7 @@ def test_text_round_trip(server):
     assert strs == tok.convert_ids_to_tokens(out["tokens"])
     assert _post(server, "/detokenize", {"tokens": out["tokens"]}) == {"prompt": TEXT}
     assert _post(server, "/detokenize", {"tokens": []}) == {"prompt": ""}
+    assert _post(server, "/tokenize", {"prompt": TEXT, "messages": None})["tokens"] == out["tokens"]
 
 
 def test_chat_counts_what_chat_completions_runs(server):

@@ -80,8 +80,8 @@ class StreamOptions(StrictModel):
     """stream_options: include_usage adds a last chunk with usage and no choices; with it,
     continuous_usage_stats (vLLM's) gives every chunk its choice's usage so far."""
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = False  # null: false, as vLLM takes it
+    continuous_usage_stats: bool | None = False
 
 
 class _Common(StrictModel):

@@ -139,7 +139,7 @@ class _Generation:
         if req.stream:
             opts = req.stream_options
             include_usage = bool(opts and opts.include_usage)
-            continuous = include_usage and opts.continuous_usage_stats  # as vLLM: only with include_usage
+            continuous = include_usage and bool(opts.continuous_usage_stats)  # as vLLM: only with include_usage
             # the background abort covers a client gone before the generator's first step (Starlette
             # may then cancel it unstarted, and its finally never runs); after a finished stream it is a no-op
             return StreamingResponse(self._stream(include_usage, continuous), media_type="text/event-stream",

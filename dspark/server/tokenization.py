@@ -6,6 +6,7 @@ template renders messages, without generating; /detokenize turns token ids back 
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -73,17 +74,18 @@ def add_tokenization_routes(app: FastAPI, state: ServerState) -> None:
     async def _parse(request: Request, cls: type[StrictModel]) -> Any:
         state.check_auth(request)
         body = await read_json(request)
-        if cls is TokenizeCompletionRequest and isinstance(body, dict) and "messages" in body:
+        if cls is TokenizeCompletionRequest and isinstance(body, dict) and body.get("messages") is not None:
             cls = TokenizeChatRequest
         req = parse_request(cls, body)
         state.require_ready()
         state.check_model(req.model)
         return req
 
+    # off the event loop: a long prompt's tokenization would hold up every open stream
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        return _tokenize(state, await _parse(request, TokenizeCompletionRequest))
+        return await asyncio.to_thread(_tokenize, state, await _parse(request, TokenizeCompletionRequest))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        return _detokenize(state, await _parse(request, DetokenizeRequest))
+        return await asyncio.to_thread(_detokenize, state, await _parse(request, DetokenizeRequest))

@@ -136,7 +136,8 @@ void mm_int4(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const 
               s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], quad(xr + 4 * j)));
               s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 1], quad(xr + 4 * j + 4)));
             }
-            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+            // the two chains' eight pairs still fit int16 (see the top), so one widening serves both
+            const __m256i dot = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
             const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, _mm256_set1_ps(qr.dx[r * g + gi])),
                                              acc[2 * r + h]);
             acc[2 * r + h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(qr.cx[r * g + gi]), a);

@@ -232,6 +232,49 @@ def test_engine_pauses_drafter_when_it_cannot_pay(folders, single_thread, monkey
     assert engine.spec.controller.gain < 1
 
 
+def _run_paused(folders, monkeypatch, cost: CostModel, prompts, sp):
+    """Greedy outputs of a DSpark engine whose drafting pauses for good after its first drafter
+    pass, and the looked-up proposals its paused steps verified."""
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: cost)
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware")
+    spec, looked = engine.spec, []
+
+    def lost(R, seconds):  # every drafter pass loses: paused from then on
+        spec.controller.num_draft_passes += 1
+        spec.controller.skip_steps = 10**6
+
+    real_propose = spec.propose
+
+    def propose(seqs, other_tokens=0):
+        paused = spec.controller.skip_steps > 0
+        proposals = real_propose(seqs, other_tokens)
+        if paused:
+            assert all(p.looked_up and p.tokens for p in proposals.values())  # never a drafted block
+            looked.extend(proposals.values())
+        return proposals
+
+    monkeypatch.setattr(spec.controller, "record_pass", lost)
+    monkeypatch.setattr(spec, "propose", propose)
+    outs = run_requests(engine, [(p, dataclasses.replace(sp), None) for p in prompts])
+    assert spec.controller.num_draft_passes == 1
+    return outs, looked
+
+
+def test_paused_drafter_still_verifies_looked_up_chains(folders, single_thread, monkeypatch):
+    """While drafting pauses (a drafter pass would not pay), a request whose last tokens occurred
+    earlier still verifies their continuation, which costs no drafter pass; where a verified token
+    costs more than it can bring, nothing is verified while paused. Output is plain decoding's."""
+    prompts = alphabet_prompts([15, 20, 31], seed=6)
+    sp = SamplingParams(temperature=0.0, max_tokens=48)
+    plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
+    plain = [o.token_ids for o in plain]
+    outs, looked = _run_paused(folders, monkeypatch, CostModel([1, 64], [1.0, 1.6], frozen=True), prompts, sp)
+    assert [o.token_ids for o in outs] == plain and len(looked) > 5
+    steeper = CostModel([1, 2, 256], [1.0, 3.0, 511.0], frozen=True)  # each extra token costs two passes
+    outs, looked = _run_paused(folders, monkeypatch, steeper, prompts, sp)
+    assert [o.token_ids for o in outs] == plain and not looked
+
+
 @pytest.mark.parametrize("stored", ['{"tokens": [1, 2', '{"tokens": [1]}', ""])
 def test_unreadable_cost_profile_is_measured_again(stored, tmp_path, monkeypatch):
     import json

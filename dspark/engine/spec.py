@@ -113,18 +113,23 @@ class SpecRunner:
             drafts = self.proposer.draft(active, budgets)
             return {s.seq_id: Proposal(d.tokens, num_proposed=d.num_proposed) for s, d in zip(active, drafts)}
         other_tokens += len(seqs) - len(active)  # their anchors ride in the pass, as prefill does
-        if self.controller.paused(len(active), max(budgets)):
+        paused = self.controller.paused(len(active), max(budgets))
+        if paused and self.assist is None:
             return {}
         t0 = time.perf_counter()
         looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
-        neural = [(s, b) for s, b in zip(active, budgets) if s.seq_id not in looked]
+        if paused and not looked:
+            return {}
+        # paused: no drafter pass, yet a looked-up chain costs nothing to find, so the policy prices
+        # it; the other requests propose nothing (budget 0), their tokens still counted in the pass
+        neural = [] if paused else [(s, b) for s, b in zip(active, budgets) if s.seq_id not in looked]
         drafted = self.proposer.draft([s for s, _ in neural], [b for _, b in neural]) if neural else []
         by_seq = {s.seq_id: d for (s, _), d in zip(neural, drafted)}
         if looked:
             prior = self.assist.prior(max(len(c) for c in looked.values()))
             by_seq.update((sid, Draft(chain, prior[:len(chain)], looked_up=True)) for sid, chain in looked.items())
-        drafts = [by_seq[s.seq_id] for s in active]
-        budgets = [len(looked[s.seq_id]) if s.seq_id in looked else b for s, b in zip(active, budgets)]
+        drafts = [by_seq.get(s.seq_id) or Draft([]) for s in active]
+        budgets = [len(d.tokens) if d.looked_up or paused else b for d, b in zip(drafts, budgets)]
         seconds = self.controller.estimated_draft_seconds(len(neural))
         out = dict(zip([s.seq_id for s in active],
                        self.controller.choose(drafts, budgets, other_tokens, seconds)))
@@ -132,6 +137,8 @@ class SpecRunner:
             self.assist.send(sid, looked[sid], len(out[sid].tokens))
         if neural:
             self.controller.record_pass(len(neural), time.perf_counter() - t0)
+        if paused:  # a chain the policy cut to nothing leaves a plain step, as the pause would
+            return {sid: p for sid, p in out.items() if p.tokens}
         return out
 
     def observe_step(self, tokens: int, seconds: float) -> None:

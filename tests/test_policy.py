@@ -232,6 +232,30 @@ def test_engine_pauses_drafter_when_it_cannot_pay(folders, single_thread, monkey
     assert engine.spec.controller.gain < 1
 
 
+def test_requests_that_cannot_draft_count_as_plain_rows(folders, single_thread, monkeypatch):
+    """A request without speculation still commits a token per pass: load-aware weighs it as a
+    plain row (an empty candidate list), so drafts must pay against the whole pass's output."""
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure",
+                        lambda engine: CostModel([1, 64], [1.0, 4.15], frozen=True))
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware")
+    calls = []
+    real = engine.spec.policy._admit
+
+    def admit(survival, other_tokens, draft_seconds):
+        calls.append([len(row) for row in survival])
+        return real(survival, other_tokens, draft_seconds)
+
+    monkeypatch.setattr(engine.spec.policy, "_admit", admit)
+    prompts = alphabet_prompts([15, 20], seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    engine.add_request("plain", prompts[0], dataclasses.replace(sp), spec=False)
+    engine.add_request("spec", prompts[1], dataclasses.replace(sp))
+    while engine.has_unfinished():
+        engine.step()
+    both = [c for c in calls if len(c) == 2]
+    assert both and all(c[0] > 0 and c[1] == 0 for c in both), calls  # the plain request: no candidates
+
+
 def _run_paused(folders, monkeypatch, cost: CostModel, prompts, sp):
     """Greedy outputs of a DSpark engine whose drafting pauses for good after its first drafter
     pass, and the looked-up proposals its paused steps verified."""

@@ -112,7 +112,6 @@ class SpecRunner:
         if self.controller is None:  # deterministic drafts are verified whole
             drafts = self.proposer.draft(active, budgets)
             return {s.seq_id: Proposal(d.tokens, num_proposed=d.num_proposed) for s, d in zip(active, drafts)}
-        other_tokens += len(seqs) - len(active)  # their anchors ride in the pass, as prefill does
         paused = self.controller.paused(len(active), max(budgets))
         if paused and self.assist is None:
             return {}
@@ -130,9 +129,14 @@ class SpecRunner:
             by_seq.update((sid, Draft(chain, prior[:len(chain)], looked_up=True)) for sid, chain in looked.items())
         drafts = [by_seq.get(s.seq_id) or Draft([]) for s in active]
         budgets = [len(d.tokens) if d.looked_up or paused else b for d, b in zip(drafts, budgets)]
+        # a request that cannot draft still commits its anchor's token: a plain row of the pass
+        # (budget 0), so the policy weighs the pass's whole output, not only the drafting rows'
+        drafting = {s.seq_id for s in active}
+        plain = [s for s in seqs if s.seq_id not in drafting]
         seconds = self.controller.estimated_draft_seconds(len(neural))
-        out = dict(zip([s.seq_id for s in active],
-                       self.controller.choose(drafts, budgets, other_tokens, seconds)))
+        chosen = self.controller.choose(drafts + [Draft([])] * len(plain), budgets + [0] * len(plain),
+                                        other_tokens, seconds)
+        out = dict(zip([s.seq_id for s in active], chosen))
         for sid in looked:
             self.assist.send(sid, looked[sid], len(out[sid].tokens))
         if neural:

@@ -105,7 +105,11 @@ class VerifyLengthController:
         width = max(len(d.tokens) for d in drafts)
         prior = None
         rows = []
+        nothing = torch.zeros(width)
         for d in drafts:
+            if not d.tokens:  # a plain row (it commits its token, proposes none): one shared zero row
+                rows.append(nothing)
+                continue
             c = d.confidence
             if c is None:
                 prior = self.acceptance_prior(width) if prior is None else prior
@@ -122,6 +126,8 @@ class VerifyLengthController:
         for d in drafts:
             if d.tree is not None:
                 survival.append([d.tree.scores[i] for i in d.tree.ranked()])
+            elif not d.tokens:  # a plain row: no candidates
+                survival.append([])
             else:
                 c = d.confidence if d.confidence is not None else self.acceptance_prior(len(d.tokens))
                 survival.append(c.float().cumprod(0).tolist()[:len(d.tokens)])

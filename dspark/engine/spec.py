@@ -131,11 +131,9 @@ class SpecRunner:
         budgets = [len(d.tokens) if d.looked_up or paused else b for d, b in zip(drafts, budgets)]
         # a request that cannot draft still commits its anchor's token: a plain row of the pass
         # (budget 0), so the policy weighs the pass's whole output, not only the drafting rows'
-        drafting = {s.seq_id for s in active}
-        plain = [s for s in seqs if s.seq_id not in drafting]
+        plain = len(seqs) - len(active)
         seconds = self.controller.estimated_draft_seconds(len(neural))
-        chosen = self.controller.choose(drafts + [Draft([])] * len(plain), budgets + [0] * len(plain),
-                                        other_tokens, seconds)
+        chosen = self.controller.choose(drafts + [Draft([])] * plain, budgets + [0] * plain, other_tokens, seconds)
         out = dict(zip([s.seq_id for s in active], chosen))
         for sid in looked:
             self.assist.send(sid, looked[sid], len(out[sid].tokens))

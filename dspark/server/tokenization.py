@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import FastAPI, Request
 from pydantic import Field
 
-from dspark.engine.prompts import PromptError, encode_prompt, render_chat
+from dspark.engine.prompts import PromptError, render_chat
 from dspark.server.protocol import APIError, ChatTemplateFields, StrictModel, parse_request, read_json
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def _tokenize(state: ServerState, req: TokenizeCompletionRequest | TokenizeChatR
     tok = engine.tokenizer
     try:
         if isinstance(req, TokenizeChatRequest) and not req.add_special_tokens:
-            ids = encode_prompt(tok, engine.model_config.vocab_size, req.chat_prompt())  # what chat runs
+            ids = engine.encode(req.chat_prompt())  # what chat runs
         else:
             text = render_chat(tok, req.chat_prompt()) if isinstance(req, TokenizeChatRequest) else req.prompt
             ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
@@ -61,11 +61,11 @@ def _tokenize(state: ServerState, req: TokenizeCompletionRequest | TokenizeChatR
 
 
 def _detokenize(state: ServerState, req: DetokenizeRequest) -> dict[str, str]:
-    vocab = state.engine.model_config.vocab_size
-    bad = next((t for t in req.tokens if t >= vocab), None)
-    if bad is not None:
-        raise APIError(400, f"tokens: token id {bad} is outside the vocabulary (size {vocab})", param="tokens")
-    return {"prompt": state.engine.tokenizer.decode(req.tokens)}
+    try:
+        ids = state.engine.encode(req.tokens)  # checked against the vocabulary as a prompt's ids are
+    except ValueError as e:
+        raise APIError(400, f"tokens: {e}", param="tokens") from None
+    return {"prompt": state.engine.tokenizer.decode(ids)}
 
 
 def add_tokenization_routes(app: FastAPI, state: ServerState) -> None:

@@ -21,8 +21,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/dspark serve
 
+# A worker per core (CI has two; tests/conftest.py gives each worker's torch its share), each
+# test file on one worker so that its model fixtures load once.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -x
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dspark tests

@@ -6,7 +6,7 @@
 #   STAGE=train (carry .carry/b): assemble the GGUF, the drafter and the committed data, train
 #     drafters on CUDA side by side (TRAIN_RUNS "name|flags|lr;...", default one warm start from
 #     the shipped drafter; TRAIN_MINUTES, TRAIN_STEPS, TRAIN_BATCH), every GPU test meanwhile,
-#     evaluate each on the dev prompts, and write each export under $OUT (weights in two pieces,
+#     evaluate each on the dev prompts and the chat selection split, and write each export under $OUT (weights in two pieces,
 #     at most 16 MiB a file comes back: `cat NAME.safetensors.part.* > model.safetensors`; the
 #     rest in NAME.meta.tar.xz).
 #   STAGE=gen (carry .carry/b): assemble the GGUF, then let the target write one more sampled
@@ -38,9 +38,13 @@ wait_kernels() {  # wait up to $1 s for the background kernel tests, then show t
 
 if [ "$STAGE" = setup ]; then
   cp -r .carry/a/. /tmp/carry/
-  untar_xz /tmp/carry/flashinfer-slim.tar.xz /tmp/site || exit 3
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/carry/*.whl || exit 3
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+  if [ ! -f /tmp/carry/flashinfer-slim.tar.xz ]; then  # prepare.sh FLASHINFER=0: training only
+    echo "no FlashInfer carried: STAGE=train and gen only, without the GPU tests" | tee -a "$OUT/gpu.txt"
+    exit 0
+  fi
+  untar_xz /tmp/carry/flashinfer-slim.tar.xz /tmp/site || exit 3
   python3 -c "import flashinfer, torch; print('flashinfer', flashinfer.__version__, 'torch', torch.__version__)" \
     2>&1 | tail -5 | tee -a "$OUT/gpu.txt"
   which nvcc xz zstd | tee -a "$OUT/gpu.txt"
@@ -53,7 +57,7 @@ if [ "$STAGE" = setup ]; then
 fi
 
 # STAGE=gen, run or train
-if [ ! -f /tmp/carry/gguf.xz.0 ] || [ ! -d /tmp/site/flashinfer ]; then
+if [ ! -f /tmp/carry/gguf.xz.0 ]; then
   echo "no setup on this machine (it was given back between the calls?): run STAGE=setup with .carry/a first"
   exit 2
 fi
@@ -88,17 +92,20 @@ if [ "$STAGE" = train ]; then
   untar_xz /tmp/carry/data.tar.xz .
   D=/tmp/train-data && mkdir -p $D
   cp drafters/data/smollm2-135m/prompts-from-4096/* $D/
-  # every other shard (responses to prompts 0-4095, committed sampled responses, then what
-  # STAGE=gen wrote) numbered 80, 81, ...
+  # every other shard (responses to prompts 0-4095, committed sampled responses, the everyday
+  # chat of issue 42, then what STAGE=gen wrote) numbered 80, 81, ...
   n=80
   for f in drafters/data/smollm2-135m/prompts-from-0/shard_*.safetensors \
-           drafters/data/smollm2-135m/sampled-seed*/shard_*.safetensors /tmp/gen/data/shard_*.safetensors; do
+           drafters/data/smollm2-135m/sampled-seed*/shard_*.safetensors \
+           drafters/data/smollm2-135m/chat-written/part*/shard_*.safetensors \
+           drafters/data/smollm2-135m/chitchat/shard_*.safetensors /tmp/gen/data/shard_*.safetensors; do
     [ -f "$f" ] || continue
     cp "$f" "$D/$(printf 'shard_%05d.safetensors' $n)"; n=$((n + 1))
   done
   echo "training on $n shards"
   # every GPU test meanwhile (FlashInfer's kernels were compiled by STAGE=setup)
   # (after the setup's kernel tests: two processes compiling one JIT module could collide)
+  [ -d /tmp/site/flashinfer ] || TESTS=0  # carried without FlashInfer (prepare.sh FLASHINFER=0)
   [ "${TESTS:-1}" = 1 ] && (for _ in $(seq 300); do [ -f /tmp/logs/kernels.rc ] && break; sleep 1; done
     timeout "${TESTS_S:-420}" $PYTEST > "$OUT/pytest_gpu.txt" 2>&1; echo "rc $?" >> "$OUT/pytest_gpu.txt") &
   # TRAIN_RUNS: runs trained side by side on the one GPU, "name|flags|lr;...": flags after the
@@ -129,12 +136,18 @@ if [ "$STAGE" = train ]; then
       --prompts /tmp/carry/dev_prompts.jsonl --per-category 40 --max-tokens 256 --max-num-seqs 40 --ngram-assist 0 \
       --device "${TRAIN_DEVICE:-cuda}" --out runs/$name/eval_dev200.json > /dev/null 2> /tmp/logs/eval_$name.txt &
     EVALS+=($!)
+    # the selection split runs are chosen on (issue 42; data/README.md), never the held-out one
+    timeout "${EVAL_S:-240}" python3 -m dspark.cli eval-drafter --drafter runs/$name/final \
+      --prompts data/select_chat.jsonl --per-category 20 --max-tokens 192 --max-num-seqs 40 --ngram-assist 0 \
+      --device "${TRAIN_DEVICE:-cuda}" --out runs/$name/eval_select.json > /dev/null 2>> /tmp/logs/eval_$name.txt &
+    EVALS+=($!)
   done
   wait "${EVALS[@]}"
   for name in "${NAMES[@]}"; do  # one file per run besides its weights: at most 8 come back
     cp /tmp/logs/train_$name.txt /tmp/logs/eval_$name.txt runs/$name/ 2>/dev/null
-    python3 -c "import json,sys; print(sys.argv[1], json.load(open(sys.argv[2]))['tau'])" $name runs/$name/eval_dev200.json
-    tar -C runs/$name -cJf "$OUT/$name.meta.tar.xz" final/config.json train_stats.json eval_dev200.json \
+    python3 -c "import json,sys; print(sys.argv[1], *(json.load(open(f))['tau'] for f in sys.argv[2:]))" $name \
+      runs/$name/eval_dev200.json runs/$name/eval_select.json
+    tar -C runs/$name -cJf "$OUT/$name.meta.tar.xz" final/config.json train_stats.json eval_dev200.json eval_select.json \
       train_$name.txt eval_$name.txt 2>/dev/null
   done
   tail -3 "$OUT/pytest_gpu.txt" 2>/dev/null

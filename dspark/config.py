@@ -94,47 +94,48 @@ class SamplingParams:
         """Raise ValueError naming the first invalid field."""
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise field_error(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise field_error(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise field_error(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise field_error(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1
                 or self.top_k > MAX_TOP_K):
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, "
-                             f"got {self.top_k!r}")
+            raise field_error(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, "
+                              f"got {self.top_k!r}", "top_k")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise field_error(f"seed must be an integer, got {self.seed!r}", "seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise field_error(f"stop strings must be non-empty strings, got {s!r}", "stop")
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
-                raise ValueError(f"bad_words must be non-empty strings, got {w!r}")
+                raise field_error(f"bad_words must be non-empty strings, got {w!r}", "bad_words")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {t!r}")
+                raise field_error(f"stop_token_ids must be token ids (integers >= 0), got {t!r}", "stop_token_ids")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise field_error(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise field_error(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                              "min_tokens")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+                raise field_error(f"{name} must be in [-2, 2], got {v!r}", name)
         r = self.repetition_penalty
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 < r < float("inf"):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+            raise field_error(f"repetition_penalty must be a finite number > 0, got {r!r}", "repetition_penalty")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+                raise field_error(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}", name)
         self._validate_logit_mask()
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {k!r}")
+            raise field_error(f"truncate_prompt_tokens must be an integer >= 1, got {k!r}", "truncate_prompt_tokens")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
             if self.ignore_eos or self.min_tokens or self.allowed_token_ids is not None:
@@ -146,19 +147,22 @@ class SamplingParams:
     def _validate_logit_mask(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+                raise field_error(f"logit_bias must map token ids to biases, got {self.logit_bias!r}", "logit_bias")
             for t, b in self.logit_bias.items():
                 if not _is_token_id(t):
-                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                    raise field_error(f"logit_bias keys must be token ids (integers >= 0), got {t!r}", "logit_bias")
                 if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100.0 <= b <= 100.0:
-                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+                    raise field_error(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}",
+                                      "logit_bias")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, list) or not ids:
-                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+                raise field_error(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}",
+                                  "allowed_token_ids")
             bad = next((t for t in ids if not _is_token_id(t)), None)
             if bad is not None:
-                raise ValueError(f"allowed_token_ids must be token ids (integers >= 0), got {bad!r}")
+                raise field_error(f"allowed_token_ids must be token ids (integers >= 0), got {bad!r}",
+                                  "allowed_token_ids")
 
     def logit_token_ids(self) -> list[int]:
         """The token ids whose logits the request changes (the engine checks them against its

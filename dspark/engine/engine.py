@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from dspark.config import EngineConfig, SamplingParams
+from dspark.config import EngineConfig, SamplingParams, field_error
 from dspark.dist.workers import start_tensor_parallel
 from dspark.engine import profile
 from dspark.engine.attention import make_backend
@@ -137,15 +137,15 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.prompt_ids(prompt, params)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise field_error("the prompt is empty", "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} "
-                             "tokens and needs room for at least one generated token")
+            raise field_error(f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} "
+                              "tokens and needs room for at least one generated token", "prompt")
         vocab = self.model_config.vocab_size
         bad = next((t for t in params.logit_token_ids() if t >= vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} in logit_bias or allowed_token_ids is outside the vocabulary "
-                             f"(size {vocab})")
+            field = "logit_bias" if bad in (params.logit_bias or {}) else "allowed_token_ids"
+            raise field_error(f"token id {bad} in {field} is outside the vocabulary (size {vocab})", field)
         if params.max_tokens is None:  # up to the context (the server resolves it before it gets here)
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         seeded = params.seed is not None and not params.greedy

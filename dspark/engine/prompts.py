@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dspark.config import field_error
+
 # apply_chat_template's own parameters: template variables may not override them
 _RESERVED = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                        "return_dict", "return_tensors", "tools", "documents", "chat_template", "padding",
@@ -59,9 +61,9 @@ def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | list[dic
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+            raise field_error(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "prompt")
         return list(prompt)
-    raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
+    raise field_error("prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
 
 
 def render_chat(tokenizer, prompt: ChatPrompt) -> str:

@@ -86,10 +86,10 @@ class StreamOptions(StrictModel):
 
 class _Common(StrictModel):
     model: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -98,8 +98,8 @@ class _Common(StrictModel):
     n: int | None = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids as text
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)

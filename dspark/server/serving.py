@@ -122,6 +122,8 @@ class _Generation:
             param = getattr(e, "param", None)
             if param == "max_tokens" and self.chat and req.max_completion_tokens is not None:
                 param = "max_completion_tokens"  # name the field the client sent
+            elif param == "prompt" and self.chat:
+                param = "messages"
             if isinstance(e, ValueError):
                 raise APIError(400, str(e), param=param) from None
             raise

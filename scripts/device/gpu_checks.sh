@@ -145,7 +145,7 @@ if [ "$STAGE" = train ]; then
   wait "${EVALS[@]}"
   for name in "${NAMES[@]}"; do  # one file per run besides its weights: at most 8 come back
     cp /tmp/logs/train_$name.txt /tmp/logs/eval_$name.txt runs/$name/ 2>/dev/null
-    python3 -c "import json,sys; print(sys.argv[1], *(json.load(open(f))['tau'] for f in sys.argv[2:]))" $name \
+    python3 -c "import json,os,sys; print(sys.argv[1], *(json.load(open(f))['tau'] if os.path.exists(f) else 'no eval' for f in sys.argv[2:]))" $name \
       runs/$name/eval_dev200.json runs/$name/eval_select.json
     tar -C runs/$name -cJf "$OUT/$name.meta.tar.xz" final/config.json train_stats.json eval_dev200.json eval_select.json \
       train_$name.txt eval_$name.txt 2>/dev/null

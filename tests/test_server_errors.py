@@ -132,6 +132,15 @@ def test_invalid_request_gets_400(server, path, body, param):
         assert err["param"] == param, err
 
 
+def test_retrieve_a_model(server):
+    client, name = server.openai(), server.state.names[0]
+    card = client.models.retrieve(name)
+    assert card.id == name and card.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no/such-model")
+    assert e.value.body["type"] == "not_found_error" and e.value.body["param"] == "model"
+
+
 def test_errors_then_keeps_serving(server):
     client = server.openai()
     with pytest.raises(openai.BadRequestError):

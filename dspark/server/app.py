@@ -216,16 +216,23 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
         body = state.metrics.render() if state.metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        eng = state.engine
+        spec = {"drafter": eng.spec.name, "block_size": eng.spec.block_size, "policy": eng.config.spec.policy}
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "dspark",
+                "root": eng.model_name, "max_model_len": eng.max_model_len, "speculation": spec}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         state.check_auth(request)
         state.require_ready()
-        eng = state.engine
-        spec = {"drafter": eng.spec.name, "block_size": eng.spec.block_size, "policy": eng.config.spec.policy}
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "dspark",
-             "root": eng.model_name, "max_model_len": eng.max_model_len, "speculation": spec}
-            for name in state.names]}
+        return {"object": "list", "data": [model_card(name) for name in state.names]}
+
+    @app.get("/v1/models/{name:path}")  # OpenAI's retrieve (vLLM has none); a name may hold "/"
+    async def model(name: str, request: Request) -> dict:
+        state.check_auth(request)
+        state.require_ready()
+        return model_card(state.check_model(name))
 
     add_generation_routes(app, state)
     add_tokenization_routes(app, state)

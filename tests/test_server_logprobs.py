@@ -79,3 +79,28 @@ def test_chat_logprobs_and_stream(engines):
         assert plain["choices"][0]["logprobs"] is None
         only = _post(s, "/v1/chat/completions", {**body, "top_logprobs": 0, "max_tokens": 4})
         assert all(c["top_logprobs"] == [] for c in only["choices"][0]["logprobs"]["content"])
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(engines):
+    """A token holding part of a character decodes to U+FFFD; its `bytes` are still its own, so
+    the output tokens' bytes join into the text (as OpenAI's), emoji and accents included."""
+    from dspark.server.token_bytes import token_bytes
+
+    tok = engines["none"].tokenizer
+    text = "Fish 🐟 and chips 🍟, café ✓ 日本"
+    ids = tok.encode(text, add_special_tokens=False)
+    decoded = [tok.decode([t]) for t in ids]
+    assert any("\ufffd" in d for d in decoded)  # the case this is for: a character split over tokens
+    assert b"".join(token_bytes(tok, t, d) for t, d in zip(ids, decoded)) == text.encode("utf-8")
+    with serve(engines["none"]) as s:
+        body = _post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Write 🐟🍟 three times."}],
+                                                 "max_tokens": 12, "temperature": 0, "logprobs": True,
+                                                 "top_logprobs": 2})
+    content = body["choices"][0]["logprobs"]["content"]
+    joined = b"".join(bytes(c["bytes"]) for c in content)
+    assert "\ufffd" in "".join(c["token"] for c in content)
+    # the text may end inside a character (max_tokens), which the message shows as U+FFFD
+    assert joined.decode("utf-8", errors="ignore") == body["choices"][0]["message"]["content"].rstrip("\ufffd")
+    for c in content:
+        for alt in c["top_logprobs"]:
+            assert isinstance(alt["bytes"], list) and all(0 <= b < 256 for b in alt["bytes"])

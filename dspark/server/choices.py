@@ -16,6 +16,7 @@ from dspark.server.responses import (
     usage,
     vllm_prompt_logprobs,
 )
+from dspark.server.token_bytes import token_bytes
 from dspark.server.tool_parsers import HermesParser, Llama3JsonParser
 from dspark.server.tools import ToolCalling
 
@@ -62,6 +63,9 @@ class ChoiceRenderer:
             text = self._text[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return token_bytes(self.tokenizer, token_id, self.token_text(token_id))
+
     def speculation(self, outs: list[RequestOutput]) -> dict:
         """The speculation counters of the request: every choice's, summed."""
         total = SpecStats()
@@ -82,7 +86,7 @@ class ChoiceRenderer:
         start, c.logprobs_sent = c.logprobs_sent, len(out.logprobs)
         entries, ids = out.logprobs[start:], out.token_ids[start:len(out.logprobs)]
         if self.chat:
-            return chat_logprobs(entries, ids, self.token_text)
+            return chat_logprobs(entries, ids, self.token_text, self.token_bytes)
         if c.echo_logprobs:
             c.echo_logprobs = False
             entries = [cut_top(e, self.num_logprobs) for e in out.prompt_logprobs] + entries

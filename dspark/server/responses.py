@@ -54,11 +54,12 @@ def vllm_prompt_logprobs(entries: list, token_ids: list[int], k: int, decode: Ca
     return out
 
 
-def chat_logprobs(entries: list, token_ids: list[int], decode: Callable[[int], str]) -> dict:
-    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+def chat_logprobs(entries: list, token_ids: list[int], decode: Callable[[int], str],
+                  raw: Callable[[int], bytes]) -> dict:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}; `bytes`
+    are the token's own (raw), which for part of a character are not its text's."""
     def one(t: int, v: float) -> dict:
-        s = decode(t)
-        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+        return {"token": decode(t), "logprob": _lp(v), "bytes": list(raw(t))}
 
     return {"content": [one(t, e.logprob) | {"top_logprobs": [one(a, v) for a, v in e.top]}
                         for e, t in zip(entries, token_ids)]}

@@ -58,6 +58,8 @@ def ignored_flags(args: argparse.Namespace, policy: str, tree_by_method: bool = 
     out = []
     if args.threshold is not None and policy != "threshold":
         out.append(f"--threshold only applies to --spec-policy threshold (this run uses {policy})")
+    if args.tree and args.drafter == "ngram":
+        out.append("--tree needs a DSpark drafter: the n-gram drafter verifies chains")
     if args.tree_budget is not None and not args.tree and not tree_by_method:
         out.append("--tree-budget only applies with --tree")
     for flag in ("ngram_assist", "ngram_assist_max_len"):

@@ -95,8 +95,9 @@ class SamplingParams:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
             raise field_error(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise field_error(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < float("inf"):  # NaN fails too
+            raise field_error(f"temperature must be a finite number >= 0, got {t!r}", "temperature")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise field_error(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
@@ -203,6 +204,8 @@ class SpecConfig:
             raise ValueError(f"block_size must be in [1, 32], got {self.block_size}")
         if self.policy not in ("fixed", "threshold", "load-aware"):
             raise ValueError(f"unknown spec policy {self.policy!r}: choose fixed, threshold or load-aware")
+        if not isinstance(self.threshold, (int, float)) or not 0.0 <= self.threshold <= 1.0:  # NaN fails too
+            raise ValueError(f"threshold must be a confidence in [0, 1], got {self.threshold!r}")
         if not _is_token_id(self.ngram_assist):  # an integer >= 0
             raise ValueError(f"ngram_assist must be an integer >= 0, got {self.ngram_assist!r}")
         # 32 + the anchor is the longest chain the bf16 CPU attention verifies exactly (its bucket)
@@ -285,6 +288,8 @@ class EngineConfig:
             torch.device(self.resolved_device())
         except RuntimeError as e:
             raise ValueError(f"unknown device {self.device!r}: {e}") from None
+        if self.resolved_device().startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this torch build or machine has no CUDA device")
         self.spec.validate()
         if self.chat_template is not None:
             self.resolved_chat_template()

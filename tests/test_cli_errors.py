@@ -42,6 +42,7 @@ def _fails(argv: list[str], capsys, words: str) -> None:
     (["--loss-weights", "0,0,1"], "--loss-weights wants CE,L1,BCE"),
     (["--loss-weights", "0.1,-1,1"], "--loss-weights wants CE,L1,BCE"),
     (["--loss-weights", "a,b,c"], "--loss-weights wants CE,L1,BCE"),
+    (["--lr", "-1"], "--lr must be a number > 0"), (["--lr", "nan"], "--lr must be a number > 0"),
 ])
 def test_train_drafter_numbers(flags, words, prompts, tmp_path, capsys):
     _fails(["train-drafter", "--prompts", prompts, "--out", str(tmp_path / "run"), *flags], capsys, words)
@@ -82,6 +83,13 @@ def test_a_model_that_fails_to_load_records_nothing(prompts, tmp_path, capsys):
     (["serve", "--model", "/nonexistent/model"], "does not exist"),
     (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
     (["serve", "--enable-auto-tool-choice", "--tool-call-parser", "xml"], "hermes, llama3_json"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number"),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number"),
+    (["eval-drafter", "--drafter", "x", "--temperature", "nan"], "temperature must be a finite number"),
+    (["eval-drafter", "--drafter", "ngram"], "eval-drafter measures a drafter folder"),
+    (["generate", "--prompt", "hi", "--spec-policy", "threshold", "--threshold", "2"], "threshold must be"),
+    (["serve", "--port", "99999"], "--port must be in [0, 65535]"),
+    (["serve", "--shutdown-timeout", "-5"], "--shutdown-timeout must be"),
 ])
 def test_checked_before_loading(argv, words, prompts, capsys):
     if argv[0] == "eval-drafter":

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dspark.cli import main
 from dspark.config import EngineConfig, SpecConfig
@@ -23,6 +24,8 @@ BAD = [
     ({"max_model_len": -5}, "max_model_len"), ({"dtype": "bf61"}, "dtype"), ({"device": "gpu9"}, "device"),
     ({"attention_backend": "flash"}, "attention backend"), ({"cuda_graph_batch_sizes": [0, 8]}, "cuda_graph"),
     ({"spec": SpecConfig(block_size=0)}, "block_size"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"spec": SpecConfig(policy="threshold", threshold=float("nan"))}, "threshold"),
+    *([({"device": "cuda"}, "no CUDA device")] if not torch.cuda.is_available() else []),
 ]
 
 
@@ -61,6 +64,7 @@ def test_flags_without_effect_are_warned_about(capsys):
     assert warnings(["--tree-budget", "8"], tree_by_method=True) == ""  # bench's dspark-tree method
     assert "--drafter none" in warnings(["--drafter", "none", "--block-size", "4"])
     assert "--ngram-assist only applies to a neural drafter" in warnings(["--drafter", "ngram", "--ngram-assist", "3"])
+    assert "--tree needs a DSpark drafter" in warnings(["--drafter", "ngram", "--tree"])
     spec = engine_config(p.parse_args(["--tree", "--tree-budget", "8"])).spec
     assert (spec.tree_budget, spec.threshold) == (8, 0.5)  # given values, else SpecConfig's defaults
     assert engine_config(p.parse_args([])).spec.tree_budget == 16

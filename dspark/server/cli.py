@@ -21,6 +21,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config.validate()  # fail before binding the port
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
     if args.tool_call_parser is not None:

@@ -166,6 +166,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                    log_every=1, length_groups=1, average_from=1, ttt_steps=1)
     eagle3 = args.kind == "eagle3"
     weights = None if eagle3 else _loss_weights(args.loss_weights)
+    if not 0 < args.lr < float("inf"):
+        raise ValueError(f"--lr must be a number > 0, got {args.lr}")
     if args.gamma is not None and not args.gamma > 0:
         raise ValueError(f"--gamma must be > 0, got {args.gamma}")
     if args.kl_weight is not None and not (math.isfinite(args.kl_weight) and args.kl_weight >= 0):

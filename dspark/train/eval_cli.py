@@ -46,7 +46,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     check_at_least(args, num_prompts=1, per_category=1, max_tokens=1, block_size=1, tree_budget=1, max_num_seqs=1,
                    ngram_assist=0, ngram_assist_max_len=1)
-    SamplingParams(temperature=args.temperature)  # validated before the model loads
+    SamplingParams(temperature=args.temperature).validate()  # before the model loads
+    if args.drafter in ("ngram", "none"):
+        raise ValueError(f"--drafter {args.drafter}: eval-drafter measures a drafter folder "
+                         "(DSpark, DFlash or EAGLE-3)")
     check_output_path(args.out)
     res = evaluate(args.drafter, args.prompts, num_prompts=args.num_prompts, per_category=args.per_category,
                    max_tokens=args.max_tokens, temperature=args.temperature, model=args.model,

@@ -117,6 +117,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)  # checked before the model loads
+    if not args.chat and args.chat_template is not None:
+        raise ValueError("--chat-template has no effect with --raw (the prompt is used as given); drop one")
     config = engine_config(args, default_policy="load-aware")  # as `dspark serve`
     config.validate()  # a wrong path or flag fails here, before any weights load
     llm = LLM.from_config(config)

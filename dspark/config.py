@@ -339,4 +339,5 @@ class EngineConfig:
             return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                     "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[self.dtype]
         except KeyError:
-            raise ValueError(f"unknown dtype {self.dtype!r}: choose float32, bfloat16 or float16") from None
+            raise ValueError(f"unknown dtype {self.dtype!r}: choose auto, fp32 (float32), bf16 (bfloat16) "
+                             "or fp16 (float16)") from None

@@ -42,7 +42,9 @@ def _fails(argv: list[str], capsys, words: str) -> None:
     (["--loss-weights", "0,0,1"], "--loss-weights wants CE,L1,BCE"),
     (["--loss-weights", "0.1,-1,1"], "--loss-weights wants CE,L1,BCE"),
     (["--loss-weights", "a,b,c"], "--loss-weights wants CE,L1,BCE"),
-    (["--lr", "-1"], "--lr must be a number > 0"), (["--lr", "nan"], "--lr must be a number > 0"),
+    (["--lr", "-1"], "--lr must be a number >= 0"), (["--lr", "nan"], "--lr must be a number >= 0"),
+    (["--target-layers", "1,99"], "--target-layers wants distinct"), (["--target-layers", "1,1"], "in [0, 29]"),
+    (["--target-layers", "a"], "(the target has 30 layers)"),
 ])
 def test_train_drafter_numbers(flags, words, prompts, tmp_path, capsys):
     _fails(["train-drafter", "--prompts", prompts, "--out", str(tmp_path / "run"), *flags], capsys, words)
@@ -89,6 +91,8 @@ def test_a_model_that_fails_to_load_records_nothing(prompts, tmp_path, capsys):
     (["eval-drafter", "--drafter", "ngram"], "eval-drafter measures a drafter folder"),
     (["generate", "--prompt", "hi", "--spec-policy", "threshold", "--threshold", "2"], "threshold must be"),
     (["serve", "--port", "99999"], "--port must be in [0, 65535]"),
+    (["generate", "--prompt", "hi", "--raw", "--chat-template", "x.jinja"], "no effect with --raw"),
+    (["generate", "--prompt", "hi", "--dtype", "f32"], "choose auto, fp32 (float32), bf16"),
     (["serve", "--shutdown-timeout", "-5"], "--shutdown-timeout must be"),
 ])
 def test_checked_before_loading(argv, words, prompts, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -95,3 +96,21 @@ def test_sigterm_during_load_exits_at_once(tmp_path):
     if seen[0] != "loading":
         pytest.skip("the engine loaded before the server could be stopped")
     assert "stopped while the engine was loading" in text, text
+
+
+def test_port_in_use_exits_with_failure(tmp_path):
+    """`dspark serve` on a port another process holds exits non-zero promptly, without aborting
+    (an empty cache keeps the engine loading while the bind fails)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root),
+           "DSPARK_CACHE_DIR": str(tmp_path / "cache")}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "dspark.cli", "serve", "--drafter", "none",
+                               "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    text = done.stdout + done.stderr
+    assert done.returncode not in (0, -signal.SIGABRT, 134), text
+    assert "terminate called" not in text and "Traceback" not in text, text

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark import __version__
-from dspark.config import EngineConfig
+from dspark.config import EngineConfig, SpecConfig
 from dspark.engine.engine import Engine
 from dspark.scheduler.scheduler import AsyncEngine
 from dspark.server.metrics import ServerMetrics
@@ -148,7 +148,8 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
                max_queue: int = 256, shutdown_timeout: float = 30.0, log_interval: float = 5.0,
                metrics_window_s: float = 10.0, allowed_origins: list[str] | tuple[str, ...] = ("*",),
                tool_call_parser: str | None = None, replica_name: str | None = None) -> FastAPI:
-    """An app serving a loaded Engine, or an EngineConfig (None: defaults) loaded in the background.
+    """An app serving a loaded Engine, or an EngineConfig loaded in the background (None: the
+    defaults of `dspark serve`, the load-aware policy included).
 
     api_key: when set, /v1/* need `Authorization: Bearer <api_key>` (health and metrics stay open).
     allowed_origins: browser origins CORS admits (vLLM's default: any; credentials are never allowed).
@@ -167,7 +168,8 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
         if isinstance(engine_or_config, Engine):
             state.attach(engine_or_config)
         else:
-            load = asyncio.create_task(state.load(engine_or_config or EngineConfig()))
+            config = engine_or_config or EngineConfig(spec=SpecConfig(policy="load-aware"))
+            load = asyncio.create_task(state.load(config))
         yield
         if load is not None and not load.done():
             load.cancel()

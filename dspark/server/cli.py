@@ -31,6 +31,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from dspark.server.tool_parsers import make_parser
 
         make_parser(args.tool_call_parser)  # an unknown name fails before the model loads
+        if not args.enable_auto_tool_choice:
+            print("warning: --tool-call-parser has no effect without --enable-auto-tool-choice", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
     app = create_app(config, served_model_name=args.served_model_name, api_key=api_key,
@@ -40,7 +42,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      replica_name=args.replica_name or os.environ.get("DSPARK_REPLICA_NAME") or None)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                timeout_graceful_shutdown=args.shutdown_timeout)
-    GracefulServer(uv_config, app.state.dspark).run()
+    failed = None
+    try:
+        GracefulServer(uv_config, app.state.dspark).run()
+    except SystemExit as e:  # uvicorn could not bind (a host that does not resolve, a port in use)
+        failed = e.code if isinstance(e.code, int) and e.code else 1
     if app.state.dspark.status == "loading":
         # Stopped while the engine still loads: interpreter shutdown would tear torch down under
         # the loading thread (the process aborts), so leave now; the load writes its caches atomically.
@@ -48,7 +54,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(failed or 0)
+    if failed is not None:
+        return failed
     return 1 if app.state.dspark.load_error or app.state.dspark.fatal else 0
 
 

@@ -166,8 +166,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                    log_every=1, length_groups=1, average_from=1, ttt_steps=1)
     eagle3 = args.kind == "eagle3"
     weights = None if eagle3 else _loss_weights(args.loss_weights)
-    if not 0 < args.lr < float("inf"):
-        raise ValueError(f"--lr must be a number > 0, got {args.lr}")
+    if not 0 <= args.lr < float("inf"):  # 0 is allowed: it keeps the start weights (a dry run of the loop)
+        raise ValueError(f"--lr must be a number >= 0, got {args.lr}")
     if args.gamma is not None and not args.gamma > 0:
         raise ValueError(f"--gamma must be > 0, got {args.gamma}")
     if args.kl_weight is not None and not (math.isfinite(args.kl_weight) and args.kl_weight >= 0):
@@ -178,6 +178,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--time-budget-minutes must be > 0, got {args.time_budget_minutes}")
     if args.lr_by_time and args.time_budget_minutes is None:
         raise ValueError("--lr-by-time needs --time-budget-minutes")
+    if args.target_layers and not args.init_from:  # checked before data generation too
+        from dspark.models.loader import load_config, resolve_model_folder
+
+        _layer_ids(args.target_layers, load_config(resolve_model_folder(args.model))["num_hidden_layers"])
     if args.init_from and not (Path(args.init_from) / "config.json").is_file():
         # checked before data generation, which may take an hour
         print(f"error: --init-from {args.init_from}: no drafter config.json there", file=sys.stderr)
@@ -263,11 +267,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layer_ids(text: str, num_layers: int) -> list[int]:
+    """--target-layers '1,5,9' -> [1, 5, 9]: distinct layer indices of a target with num_layers."""
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or len(set(ids)) != len(ids) or not all(0 <= i < num_layers for i in ids):
+        raise ValueError(f"--target-layers wants distinct comma-separated layer indices in [0, {num_layers - 1}] "
+                         f"(the target has {num_layers} layers), got {text!r}")
+    return ids
+
+
 def _new_drafter(args: argparse.Namespace, target, tok, data):
     """A fresh drafter shaped by the command's drafter flags."""
     from dspark.train.drafter_init import default_mask_token, make_drafter_config, new_drafter
 
-    layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
+    layer_ids = _layer_ids(args.target_layers, target.config.num_hidden_layers) if args.target_layers else None
     dc = make_drafter_config(target.config, num_layers=args.num_layers, block_size=args.block_size,
                              markov_rank=args.markov_rank, layer_ids=layer_ids,
                              intermediate_size=args.intermediate_size,

@@ -13,3 +13,7 @@ def __getattr__(name):
 
         return LLM
     raise AttributeError(name)
+
+
+def __dir__():
+    return sorted([*globals(), "LLM"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Past any vocabulary size top_k means "off"; beyond int64 it would fail inside a batched engine step
 # (taking the other requests in that step down with it), so it is refused up front.
@@ -68,6 +68,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     structured_outputs: StructuredOutputs | None = None
     bad_words: list[str] = field(default_factory=list)  # never completed in the output (vLLM's)
+    n: int = 1  # samples per prompt (LLM.generate and the HTTP API fan out; the engine runs one each)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,8 +91,18 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def choice(self, i: int) -> SamplingParams:
+        """The parameters of sample i of n: one sample, seeded with seed + i (wrapping within the
+        accepted range), so seeded samples differ from each other yet repeat across identical calls."""
+        seed = None if self.seed is None else self.seed + i
+        if seed is not None and seed >= 2**64:
+            seed -= 2**64
+        return replace(self, n=1, seed=seed)
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise field_error(f"n must be an integer >= 1, got {self.n!r}", "n")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
             raise field_error(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 from dspark.config import EngineConfig, SamplingParams, SpecConfig
@@ -64,34 +65,39 @@ class LLM:
         self.engine, self.tokenizer = engine, engine.tokenizer
         self._calls = itertools.count()  # numbers each generate() call: request ids never repeat
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in order. If anything fails or is interrupted
-        (Ctrl-C) on the way, this call's requests are aborted, so the engine is left clean."""
+        """One finished RequestOutput per prompt, in order, holding SamplingParams.n samples. If
+        anything fails or is interrupted (Ctrl-C) on the way, this call's requests are aborted, so
+        the engine is left clean."""
         prompts = _prompt_list(prompts)
         sp = sampling_params
-        params_list = sp if isinstance(sp, list) else [sp or SamplingParams()] * len(prompts)
+        params_list = list(sp) if isinstance(sp, (list, tuple)) else [sp or SamplingParams()] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in params_list):
+            raise TypeError("sampling_params takes a SamplingParams or a list of them, one per prompt")
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         call = next(self._calls)
-        ids: list[str] = []
+        groups: list[list[str]] = []  # each prompt's request ids, one per sample
         done: dict[str, RequestOutput] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-                rid = f"offline-{call}-{i}"
-                self.engine.add_request(rid, prompt, dataclasses.replace(p))
-                ids.append(rid)
-            mine = set(ids)
+                groups.append([])
+                for j in range(p.n):
+                    rid = f"offline-{call}-{i}" + (f"-{j}" if j else "")
+                    self.engine.add_request(rid, prompt, p.choice(j))
+                    groups[-1].append(rid)
+            mine = {r for g in groups for r in g}
             from tqdm import tqdm
 
-            with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
-                while len(done) < len(ids):
+            with tqdm(total=len(mine), desc="generating", unit="sample", disable=not use_tqdm) as bar:
+                while len(done) < len(mine):
                     for out in self.engine.step():
                         if out.finished and out.request_id in mine:
                             done[out.request_id] = out
                             bar.update(1)
         except BaseException:
-            for rid in ids:
+            for rid in (r for g in groups for r in g):
                 if rid not in done:
                     self.engine.abort(rid)  # frees its pages at once
             # drain their outputs now; if the engine itself is failing, a later step drains them
@@ -99,7 +105,20 @@ class LLM:
             with contextlib.suppress(Exception):
                 self.engine.step()
             raise
-        return [done[r] for r in ids]
+        return [self._joined(prompt, [done[r] for r in g]) for prompt, g in zip(prompts, groups)]
+
+    def _joined(self, prompt: Any, outs: list[RequestOutput]) -> RequestOutput:
+        """A prompt's samples as one RequestOutput (the first's fields, every sample in outputs),
+        with the prompt's text as vLLM gives it: as passed, or as the chat template wrote it."""
+        first = outs[0]
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            text = None
+        else:
+            text = self.tokenizer.decode(first.prompt_token_ids, skip_special_tokens=False)
+        samples = [o.as_completion(j) for j, o in enumerate(outs)] if len(outs) > 1 else None
+        return dataclasses.replace(first, prompt=text, samples=samples)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,

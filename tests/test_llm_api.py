@@ -113,3 +113,41 @@ def test_async_engine_leaves_the_callers_params_alone(llm):
             await sched.stop()
 
     assert asyncio.run(run()) == [3, 6] and shared.max_tokens == 16
+
+
+def test_vllm_output_shape_and_n_samples(llm):
+    """`outputs[0].text`, `prompt` and n samples per prompt, as a vLLM script reads them: each
+    sample is the one-sample request with seed + i, token for token."""
+    greedy = llm.generate("a b c", GREEDY)[0]
+    assert greedy.prompt == "a b c" and len(greedy.outputs) == 1
+    one = greedy.outputs[0]
+    assert (one.index, one.text, one.token_ids, one.finish_reason) == (0, greedy.text, greedy.token_ids, "length")
+    assert one.finished() and one.cumulative_logprob is None
+    ids = alphabet_prompts([12], seed=3)[0]
+    assert llm.generate([ids], GREEDY)[0].prompt is None
+    chat = llm.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
+    assert "hi" in chat.prompt and chat.prompt != "hi"
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=7, logprobs=0)
+    outs = llm.generate(["a b c", ids], SamplingParams(**{**vars(sampled), "n": 3}))
+    assert [len(o.outputs) for o in outs] == [3, 3] and not llm.engine.has_unfinished()
+    for out, prompt in zip(outs, ["a b c", ids]):
+        assert [s.index for s in out.outputs] == [0, 1, 2] and out.token_ids == out.outputs[0].token_ids
+        for i, s in enumerate(out.outputs):
+            alone = llm.generate([prompt], SamplingParams(**{**vars(sampled), "seed": 7 + i}))[0]
+            assert s.token_ids == alone.token_ids and s.text == alone.text
+            assert s.cumulative_logprob == pytest.approx(sum(t.logprob for t in alone.logprobs))
+    assert len({tuple(s.token_ids) for s in outs[0].outputs}) > 1  # different seeds, different samples
+
+
+def test_n_and_sampling_params_types_are_checked(llm):
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(TypeError, match="a SamplingParams or a list of them"):
+        llm.generate(["a"], [{"temperature": 0}])
+    assert len(llm.generate(["a", "b"], (GREEDY, GREEDY))) == 2
+    with pytest.raises(ValueError, match="one sample per request"):
+        llm.engine.add_request("x", "a", SamplingParams(n=2))
+    assert not llm.engine.has_unfinished()
+    import dspark
+
+    assert "LLM" in dir(dspark)

@@ -130,6 +130,9 @@ class Engine:
         """Queue a request: a prompt string, token ids, or chat messages."""
         params = params or SamplingParams()
         params.validate()
+        if params.n != 1:  # LLM.generate and the HTTP API fan a request out into n of these
+            raise field_error(f"the engine runs one sample per request, got n={params.n}; "
+                              "add n requests with params.choice(i)", "n")
         error = self.spec.block_size_error(block_size)
         if error is not None:
             raise ValueError(error)

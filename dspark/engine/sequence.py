@@ -170,8 +170,25 @@ class Sequence:
 
 
 @dataclass
+class CompletionOutput:
+    """One generated sample in vLLM's shape (an item of RequestOutput.outputs)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # the sum of the sampled tokens' logprobs, when logprobs were asked
+    logprobs: list | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
-    """What one engine step produced for one request."""
+    """What one engine step produced for one request. The flat fields (text, token_ids, ...) are
+    its first sample's; `outputs` lists every sample as vLLM's RequestOutput does."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -188,6 +205,19 @@ class RequestOutput:
     num_preemptions: int = 0
     logprobs: list | None = None  # logprobs.TokenLogprob per token of token_ids, when the request asked
     prompt_logprobs: list | None = None  # None, then a TokenLogprob per later prompt token, when asked
+    prompt: str | None = None  # the prompt's text (LLM.generate fills it; None for token ids, as vLLM)
+    samples: list[CompletionOutput] | None = None  # n > 1 (LLM.generate): every sample, the first as above
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The generated samples, vLLM's `outputs` (one unless SamplingParams.n > 1)."""
+        return self.samples if self.samples is not None else [self.as_completion(0)]
+
+    def as_completion(self, index: int) -> CompletionOutput:
+        """This request's sample as the index-th CompletionOutput."""
+        cumulative = sum(t.logprob for t in self.logprobs) if self.logprobs is not None else None
+        return CompletionOutput(index, self.text, self.token_ids, cumulative, self.logprobs, self.finish_reason,
+                                self.stop_reason)
 
     @property
     def decode_tokens_per_s(self) -> float:

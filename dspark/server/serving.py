@@ -41,14 +41,6 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _nth_seed(seed: int | None, i: int) -> int | None:
-    """Choice i's seed: the request's plus i (kept in the accepted range), so seeded choices differ
-    from each other yet repeat across identical requests."""
-    if seed is None:
-        return None
-    return seed + i if seed + i < 2**64 else seed + i - 2**64
-
-
 class _Generation:
     """One completion or chat request from admission to its response (n choices)."""
 
@@ -108,7 +100,7 @@ class _Generation:
                     for c in self.choices:
                         await c.stream.prefilled.wait()
                 stream = await sched.add(self.rid if k == 0 else f"{self.rid}-{k}", prompt,
-                                         replace(params, seed=_nth_seed(params.seed, j)), max_tokens=max_tokens,
+                                         params.choice(j), max_tokens=max_tokens,
                                          spec=self.spec.enabled, block_size=self.spec.block_size)
                 self.choices.append(Choice(k, stream, first_of_prompt=j == 0,
                                            echo_logprobs=echo and req.num_logprobs() is not None))

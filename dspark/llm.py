@@ -121,10 +121,18 @@ class LLM:
         return dataclasses.replace(first, prompt=text, samples=samples)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """generate() for one conversation or a list of them, through the model's chat template."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """generate() for one conversation or a list of them, through the model's chat template,
+        with vLLM's template options: add_generation_prompt opens the assistant's turn,
+        continue_final_message continues the last (assistant) message instead, chat_template_kwargs
+        are extra template variables and tools the function definitions the template shows."""
         convs = [messages] if _is_chat(messages) else list(messages)
         if not all(_is_chat(c) for c in convs):
             raise TypeError("chat() takes a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        return self.generate(convs, sampling_params, use_tqdm)
+        prompts = [ChatPrompt(c, add_generation_prompt, continue_final_message, dict(chat_template_kwargs or {}),
+                              tools) for c in convs]
+        for p in prompts:
+            p.validate()  # before any request is queued
+        return self.generate(prompts, sampling_params, use_tqdm)

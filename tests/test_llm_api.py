@@ -151,3 +151,20 @@ def test_n_and_sampling_params_types_are_checked(llm):
     import dspark
 
     assert "LLM" in dir(dspark)
+
+
+def test_chat_template_options(llm):
+    """LLM.chat takes vLLM's template options: the prompt ends where they say, and a bad
+    combination fails before anything is queued."""
+    conv = [{"role": "user", "content": "hi"}]
+    opened = llm.chat(conv, GREEDY)[0].prompt
+    closed = llm.chat(conv, GREEDY, add_generation_prompt=False)[0].prompt
+    assert opened.startswith(closed) and len(opened) > len(closed)
+    partial = conv + [{"role": "assistant", "content": "Hello the"}]
+    cont = llm.chat(partial, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt.endswith("Hello the")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(partial, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="may not set 'tools'"):
+        llm.chat(conv, GREEDY, chat_template_kwargs={"tools": []})
+    assert not llm.engine.has_unfinished()

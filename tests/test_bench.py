@@ -183,7 +183,7 @@ def test_decode_window_opens_at_the_first_first_token(monkeypatch: pytest.Monkey
     from dspark.bench import offline
 
     m = object.__new__(offline.EngineMethod)
-    m.run, m.params = offline.MethodRun(stats=[]), None
+    m.run, m.params, m.seed = offline.MethodRun(stats=[]), offline.SamplingParams(temperature=0), 0
     outs = [SimpleNamespace(ttft=0.1, token_ids=list(range(100)), stats=None),
             SimpleNamespace(ttft=0.9, token_ids=list(range(10)), stats=None)]
     m.llm = SimpleNamespace(generate=lambda group, params: outs, engine=SimpleNamespace(draft_time=0.0))
@@ -191,3 +191,21 @@ def test_decode_window_opens_at_the_first_first_token(monkeypatch: pytest.Monkey
     monkeypatch.setattr(offline, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     m.measure([[1], [2]])
     assert m.run.decode_tokens == 108 and m.run.decode_time == pytest.approx(0.9)  # 120 tok/s, not 1080
+
+
+def test_bench_sampled_speculation_still_matches_ar(model: None, tmp_path: pathlib.Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """--temperature seeds request i with --seed + i in every method: the n-gram and shipped
+    drafters' sampled outputs equal ar's, and hf samples with its own generator (no matches_ar)."""
+    rc = main(["bench", "--prompts", str(_prompts(tmp_path)), "--category", "keep", "--max-tokens", "16",
+               "--methods", "hf,ar,ngram,dspark", "--batch-size", "2", "--temperature", "0.8", "--seed", "5",
+               "--kv-cache-tokens", "4096", "--threads", "1", "--spec-policy", "fixed"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["temperature"] == 0.8 and report["seed"] == 5
+    m = report["methods"]
+    assert m["ngram"]["matches_ar"] == 1.0 and m["dspark"]["matches_ar"] == 1.0
+    assert m["hf"]["matches_ar"] is None and m["hf"]["tokens"] > 0
+    assert m["dspark"]["verified"] > 0  # the drafter really drafted under sampling
+    assert main(["bench", "--temperature", "-1", "--prompts", str(_prompts(tmp_path))]) == 2
+    assert "--temperature must be" in capsys.readouterr().err

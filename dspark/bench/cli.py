@@ -42,6 +42,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction,
     p.add_argument("--methods", default="hf,ar", help=f"comma list of {', '.join(METHODS)} (default hf,ar)")
     p.add_argument("--no-chat", dest="chat", action="store_false",
                    help="feed prompts as raw text instead of a user chat message")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature, request i seeded --seed + i in every method (default 0: "
+                        "greedy); speculative outputs still equal ar's")
+    p.add_argument("--seed", type=int, default=0, help="first request's seed when sampling (default 0)")
     p.add_argument("--warmup", type=int, default=1, help="prompts run once before timing each method")
     p.add_argument("--output", default=None, help="also write the JSON report to this file")
     p.add_argument("--sequential", action="store_true",
@@ -98,6 +102,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods)
     check_at_least(args, num_prompts=1, batch_size=1, max_tokens=1, warmup=0, threads=1)
     check_output_path(args.output)
+    if not 0 <= args.temperature < float("inf"):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.threads is not None:
         import torch
 
@@ -110,7 +116,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = engine_config(args, default_policy="load-aware", tree_by_method="dspark-tree" in methods)
     report = run_bench(cfg, methods, prompts, batch_size=args.batch_size,
                        max_tokens=args.max_tokens, warmup=args.warmup, chat=args.chat,
-                       interleave=not args.sequential)
+                       interleave=not args.sequential, temperature=args.temperature, seed=args.seed)
     report["prompts"] = str(path)
     report["category"] = args.category
     text = json.dumps(report, indent=2)

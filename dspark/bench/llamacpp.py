@@ -4,7 +4,8 @@
   folder is refused, since llama.cpp reads GGUF only.
 * Prompts: the token ids our tokenizer produced (:func:`dspark.bench.offline.encode_prompts`), fed
   to ``Llama.generate`` as they are (no BOS added, no re-tokenization), so every method sees the
-  same ids; greedy (``temp=0``), ``max_tokens`` new tokens, stopping at (and keeping) an EOS token.
+  same ids; greedy (``temp=0``) or, with ``--temperature``, sampling over the whole vocabulary
+  (request i seeded ``seed + i``), ``max_tokens`` new tokens, stopping at (and keeping) an EOS token.
 * Timing, per request: ``t0`` before ``generate`` (which evaluates the prompt), first token at
   ``t_first`` (TTFT = ``t_first - t0``), last token at ``t1``; decode window = ``t1 - t_first``,
   decode tokens = generated - 1 (prefill excluded, as for the other methods).
@@ -54,9 +55,10 @@ def check_llamacpp(model: str | None) -> str:
 
 
 class LlamaCppMethod:
-    """llama.cpp greedy generation, one request at a time, timed like the other methods."""
+    """llama.cpp generation, one request at a time, timed like the other methods."""
 
-    def __init__(self, gguf: str, folder: str, max_tokens: int, n_ctx: int, threads: int | None = None):
+    def __init__(self, gguf: str, folder: str, max_tokens: int, n_ctx: int, threads: int | None = None,
+                 temperature: float = 0.0, seed: int = 0):
         import torch
 
         from dspark.bench.offline import MethodRun, eos_ids
@@ -64,6 +66,7 @@ class LlamaCppMethod:
 
         llama_cpp = import_llama_cpp()
         self.max_tokens, self.threads = max_tokens, threads or torch.get_num_threads()
+        self.temperature, self.seed = temperature, seed
         t = time.perf_counter()
         self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=self.threads,
                                    n_threads_batch=self.threads, n_gpu_layers=0, seed=0, verbose=False)
@@ -77,10 +80,15 @@ class LlamaCppMethod:
         """(generated ids, TTFT, decode window) of one request from a clean state."""
         llm = self.llm
         llm.reset()  # n_tokens = 0: no prefix reuse; eval then drops the whole KV cache
+        if self.temperature:
+            llm.set_seed(self.seed)
+            self.seed += 1
         row: list[int] = []
         t0 = time.perf_counter()
         t_first = t1 = t0
-        for tok in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
+        # top_k 0: the whole vocabulary, as the engine samples
+        for tok in llm.generate(prompt, top_k=0 if self.temperature else 1, top_p=1.0, min_p=0.0, typical_p=1.0,
+                                temp=self.temperature,
                                 repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, reset=True):
             t1 = time.perf_counter()
             if not row:

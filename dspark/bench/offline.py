@@ -17,6 +17,10 @@ Timing definitions (prefill excluded from decode speed):
 * llama.cpp: per request, TTFT = prompt eval + first token, decode window = first to last token.
 * ``decode_tok_s`` = sum over groups of (generated tokens - 1 per request) / sum of decode windows.
 * ``draft_share`` (speculative methods) = seconds in the drafter's proposals / sum of decode windows.
+* Sampling (``--temperature`` > 0): request i of the run (prompts in order) samples with seed
+  ``seed + i`` in every method. Our engine's seeded outputs do not depend on drafts, so ``ar``
+  and the speculative methods still produce the same tokens (``matches_ar`` stays meaningful);
+  ``hf`` and ``llamacpp`` sample with their own generators (their ``matches_ar`` is left out).
 * Order: by default every method is loaded at once and each group is run by every method in
   turn (the order rotated per group), so a machine whose speed drifts slows all methods alike;
   ``--sequential`` runs one method at a time (one model in memory, for models that do not fit
@@ -100,24 +104,33 @@ def method_config(cfg: EngineConfig, method: str) -> EngineConfig:
 class EngineMethod:
     """One of our engine methods, loaded once; ``measure`` times one group (one ``generate`` call)."""
 
-    def __init__(self, cfg: EngineConfig, max_tokens: int):
+    def __init__(self, cfg: EngineConfig, max_tokens: int, temperature: float = 0.0, seed: int = 0):
         from dspark.llm import LLM
 
         t = time.perf_counter()
         self.llm = LLM.from_config(cfg)
         self.run = MethodRun(load_s=time.perf_counter() - t, stats=[],
                              drafter=getattr(self.llm.engine.spec, "name", None))
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+        self.seed = seed  # of the next measured request, when sampling
+
+    def _params(self, n: int) -> list[SamplingParams]:
+        if self.params.greedy:
+            return [self.params] * n
+        seeds = range(self.seed, self.seed + n)
+        return [dataclasses.replace(self.params, seed=s) for s in seeds]
 
     def warm(self, prompt_ids: list[list[int]]) -> None:
         if prompt_ids:
-            self.llm.generate(prompt_ids, self.params)
+            self.llm.generate(prompt_ids, [dataclasses.replace(p, seed=-1 - i)
+                                           for i, p in enumerate(self._params(len(prompt_ids)))])
 
     def measure(self, group: list[list[int]]) -> None:
         d0 = self.llm.engine.draft_time
         t0 = time.perf_counter()
-        outs = self.llm.generate(group, self.params)
+        outs = self.llm.generate(group, self._params(len(group)))
         t1 = time.perf_counter()
+        self.seed += len(group)
         ttfts = [o.ttft or 0.0 for o in outs]
         run = self.run
         run.draft_time += self.llm.engine.draft_time - d0
@@ -147,7 +160,7 @@ def _trim(row: list[int], eos_ids: set[int]) -> list[int]:
 class HFMethod:
     """transformers ``generate`` (greedy, left-padded batches) in the engine's dtype and device."""
 
-    def __init__(self, cfg: EngineConfig, folder: str, max_tokens: int):
+    def __init__(self, cfg: EngineConfig, folder: str, max_tokens: int, temperature: float = 0.0, seed: int = 0):
         import transformers
         from transformers import AutoModelForCausalLM
 
@@ -155,6 +168,7 @@ class HFMethod:
 
         self.device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
         self.cuda, self.max_tokens = self.device.startswith("cuda"), max_tokens
+        self.temperature, self.seed = temperature, seed
         t = time.perf_counter()
         key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         self.model = AutoModelForCausalLM.from_pretrained(folder, **{key: dtype}).to(self.device).eval()
@@ -167,12 +181,14 @@ class HFMethod:
         width = max(len(p) for p in group)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in group], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=self.device)
+        sample = {"do_sample": True, "temperature": self.temperature, "top_k": 0} if self.temperature else \
+            {"do_sample": False, "temperature": None, "top_k": None}
+        torch.manual_seed(self.seed)
         _sync(self.cuda)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                      pad_token_id=self.pad, eos_token_id=sorted(self.eos_ids),
-                                      temperature=None, top_p=None, top_k=None)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, pad_token_id=self.pad,
+                                      eos_token_id=sorted(self.eos_ids), top_p=None, **sample)
         _sync(self.cuda)
         elapsed = time.perf_counter() - t0
         return [_trim(r, self.eos_ids) for r in out[:, width:].tolist()], elapsed
@@ -185,6 +201,7 @@ class HFMethod:
     def measure(self, group: list[list[int]]) -> None:
         _, ttft = self._generate(group, 1)
         rows, total = self._generate(group, self.max_tokens)
+        self.seed += len(group)
         self.run.decode_time += max(0.0, total - ttft)
         self.run.decode_tokens += sum(max(0, len(r) - 1) for r in rows)
         self.run.ttfts += [ttft] * len(group)
@@ -206,8 +223,9 @@ def _spec_summary(stats: list[Any]) -> dict[str, Any]:
             "verified_per_pos": ver}
 
 
-def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[str, Any]:
-    """The reported numbers for one method; ``ref`` holds the ``ar``, ``hf`` and ``llamacpp`` runs when made."""
+def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun], sampled: bool = False) -> dict[str, Any]:
+    """The reported numbers for one method; ``ref`` holds the ``ar``, ``hf`` and ``llamacpp`` runs when made.
+    sampled: the run sampled (temperature > 0), so only our engine's methods can match ``ar``."""
     tok_s = run.decode_tokens / run.decode_time if run.decode_time > 0 else None
     out: dict[str, Any] = {
         "decode_tok_s": round(tok_s, 2) if tok_s else None,
@@ -219,7 +237,7 @@ def summarize(method: str, run: MethodRun, ref: dict[str, MethodRun]) -> dict[st
         out["drafter"] = run.drafter
     out.update(run.info or {})
     ar = ref.get("ar")
-    if ar is not None and run.token_ids:
+    if ar is not None and run.token_ids and not (sampled and method in ("hf", "llamacpp")):
         same = sum(a == b for a, b in zip(run.token_ids, ar.token_ids))
         out["matches_ar"] = round(same / len(run.token_ids), 4)
     if method in SPEC_METHODS and run.stats is not None:
@@ -266,10 +284,11 @@ def _measure_interleaved(load, methods: list[str], groups: list, warm: list, err
 
 
 def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_size: int,
-              max_tokens: int, warmup: int, chat: bool = True, interleave: bool = True) -> dict[str, Any]:
+              max_tokens: int, warmup: int, chat: bool = True, interleave: bool = True,
+              temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """Run every method on ``prompts`` and return the report (one JSON-able dict).
     ``interleave``: all methods in memory, taking turns per group (see _measure_interleaved);
-    else one after another."""
+    else one after another. ``temperature`` > 0 samples, request i with seed ``seed + i``."""
     import transformers
 
     from dspark.models.loader import load_tokenizer, resolve_model_folder
@@ -282,10 +301,11 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
 
     def load(method: str) -> EngineMethod | HFMethod | LlamaCppMethod:
         if method == "hf":
-            return HFMethod(cfg, folder, max_tokens)
+            return HFMethod(cfg, folder, max_tokens, temperature, seed)
         if method == "llamacpp":
-            return LlamaCppMethod(gguf, folder, max_tokens, n_ctx=max(map(len, prompt_ids)) + max_tokens)
-        return EngineMethod(method_config(cfg, method), max_tokens)
+            return LlamaCppMethod(gguf, folder, max_tokens, n_ctx=max(map(len, prompt_ids)) + max_tokens,
+                                  temperature=temperature, seed=seed)
+        return EngineMethod(method_config(cfg, method), max_tokens, temperature, seed)
 
     errors: dict[str, str] = {}
     groups, warm, device = _groups(prompt_ids, batch_size), prompt_ids[:warmup], cfg.resolved_device()
@@ -297,13 +317,15 @@ def run_bench(cfg: EngineConfig, methods: list[str], prompts: list[str], batch_s
             runs.update(_measure_interleaved(load, [method], groups, warm, errors))
             _free(device)
     ref = {k: runs[k] for k in ("ar", "hf", "llamacpp") if k in runs}
-    results = {m: ({"error": errors[m]} if m in errors else summarize(m, runs[m], ref)) for m in methods}
+    results = {m: ({"error": errors[m]} if m in errors else summarize(m, runs[m], ref, temperature > 0))
+               for m in methods}
     return {
         "device": device, "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
         "model": folder, "torch": torch.__version__, "transformers": transformers.__version__,
         "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "loadavg_1m_before": load_before, "batch_size": batch_size, "num_prompts": len(prompts),
         "max_tokens": max_tokens, "warmup": warmup, "chat": chat, "interleaved": interleave,
+        "temperature": temperature, "seed": seed if temperature > 0 else None,
         "drafter": cfg.spec.drafter, "draft_model": cfg.spec.draft_model, "block_size": cfg.spec.block_size,
         "spec_policy": cfg.spec.policy,
         "methods": results, "wall_s": round(time.perf_counter() - t_start, 2)}

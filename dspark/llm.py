@@ -77,6 +77,8 @@ class LLM:
             raise TypeError("sampling_params takes a SamplingParams or a list of them, one per prompt")
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        for p in params_list:
+            p.validate()  # a field changed after construction (n above all) fails before anything is queued
         call = next(self._calls)
         groups: list[list[str]] = []  # each prompt's request ids, one per sample
         done: dict[str, RequestOutput] = {}

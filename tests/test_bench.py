@@ -209,3 +209,5 @@ def test_bench_sampled_speculation_still_matches_ar(model: None, tmp_path: pathl
     assert m["dspark"]["verified"] > 0  # the drafter really drafted under sampling
     assert main(["bench", "--temperature", "-1", "--prompts", str(_prompts(tmp_path))]) == 2
     assert "--temperature must be" in capsys.readouterr().err
+    assert main(["bench", "--temperature", "1", "--seed", str(2**64), "--prompts", str(_prompts(tmp_path))]) == 2
+    assert "--seed must be in" in capsys.readouterr().err

@@ -68,8 +68,11 @@ class _FakeLlama:
     """Records resets and the tokens each generate call starts from; yields a fixed stream."""
 
     def __init__(self, stream: list[int]):
-        self.stream, self.calls = stream, []
+        self.stream, self.calls, self.seeds = stream, [], []
         self.n_tokens = 0
+
+    def set_seed(self, seed: int) -> None:
+        self.seeds.append(seed)
 
     def reset(self) -> None:
         self.n_tokens = 0
@@ -85,6 +88,7 @@ class _FakeLlama:
 def test_requests_start_clean_stop_at_eos_and_time_decode_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     m = object.__new__(llamacpp.LlamaCppMethod)
     m.llm, m.eos_ids, m.max_tokens, m.run = _FakeLlama([5, 6, 2, 7]), {2}, 10, MethodRun()
+    m.temperature, m.seed = 0.0, 0
     clock = iter([0.0, 0.5, 0.6, 0.7, 10.0, 10.2, 10.3, 10.4])  # t0, then one stamp per token
     monkeypatch.setattr(llamacpp, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     m.measure([[9, 9, 9], [9, 9, 9]])  # the same prompt twice: no reuse of the first's KV
@@ -137,3 +141,15 @@ def test_llamacpp_evaluates_the_whole_prompt_every_time() -> None:
     m.measure([prompt, prompt])
     assert m.run.token_ids[0] == m.run.token_ids[1] and len(m.run.token_ids[0]) >= 1
     assert evals.count(len(prompt)) == 2  # the full prompt, both times
+
+
+def test_sampled_requests_are_seeded_in_order_after_warmup() -> None:
+    """--temperature: request i of the measured run samples with seed + i over the whole
+    vocabulary, whatever the warm-up ran before it."""
+    m = object.__new__(llamacpp.LlamaCppMethod)
+    m.llm, m.eos_ids, m.max_tokens, m.run = _FakeLlama([5, 2]), {2}, 10, MethodRun()
+    m.temperature, m.seed = 0.7, 40
+    m.warm([[1], [2]])
+    m.measure([[1], [2], [3]])
+    assert m.llm.seeds[2:] == [40, 41, 42]
+    assert all(c[2] == 0.7 and c[3] == 0 for c in m.llm.calls)

@@ -145,6 +145,10 @@ def test_n_and_sampling_params_types_are_checked(llm):
     with pytest.raises(TypeError, match="a SamplingParams or a list of them"):
         llm.generate(["a"], [{"temperature": 0}])
     assert len(llm.generate(["a", "b"], (GREEDY, GREEDY))) == 2
+    changed = SamplingParams(temperature=0, max_tokens=4)
+    changed.n = 0
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        llm.generate(["a"], changed)
     with pytest.raises(ValueError, match="one sample per request"):
         llm.engine.add_request("x", "a", SamplingParams(n=2))
     assert not llm.engine.has_unfinished()

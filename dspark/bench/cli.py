@@ -104,6 +104,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_output_path(args.output)
     if not 0 <= args.temperature < float("inf"):
         raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not -(2**63) <= args.seed < 2**64:  # the HTTP API's range
+        raise ValueError(f"--seed must be in [-2**63, 2**64), got {args.seed}")
     if args.threads is not None:
         import torch
 

@@ -80,8 +80,8 @@ class LlamaCppMethod:
         """(generated ids, TTFT, decode window) of one request from a clean state."""
         llm = self.llm
         llm.reset()  # n_tokens = 0: no prefix reuse; eval then drops the whole KV cache
-        if self.temperature:
-            llm.set_seed(self.seed)
+        if self.temperature:  # 0xFFFFFFFF would be llama.cpp's "random seed"
+            llm.set_seed(self.seed % 0xFFFFFFFF)
             self.seed += 1
         row: list[int] = []
         t0 = time.perf_counter()
@@ -99,8 +99,10 @@ class LlamaCppMethod:
         return row, t_first - t0, t1 - t_first
 
     def warm(self, prompt_ids: list[list[int]]) -> None:
+        seed = self.seed
         for prompt in prompt_ids:
             self._generate(prompt)
+        self.seed = seed  # measured request i keeps seed + i
 
     def measure(self, group: list[list[int]]) -> None:
         for prompt in group:  # sequential: no batched generate in llama-cpp-python

@@ -183,7 +183,7 @@ class HFMethod:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=self.device)
         sample = {"do_sample": True, "temperature": self.temperature, "top_k": 0} if self.temperature else \
             {"do_sample": False, "temperature": None, "top_k": None}
-        torch.manual_seed(self.seed)
+        torch.manual_seed(self.seed % 2**63)
         _sync(self.cuda)
         t0 = time.perf_counter()
         with torch.inference_mode():

@@ -114,3 +114,4 @@ def test_port_in_use_exits_with_failure(tmp_path):
     text = done.stdout + done.stderr
     assert done.returncode not in (0, -signal.SIGABRT, 134), text
     assert "terminate called" not in text and "Traceback" not in text, text
+    assert "address already in use" in text and "stopped while the engine was loading" not in text, text

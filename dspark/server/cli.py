@@ -50,7 +50,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if app.state.dspark.status == "loading":
         # Stopped while the engine still loads: interpreter shutdown would tear torch down under
         # the loading thread (the process aborts), so leave now; the load writes its caches atomically.
-        logging.getLogger("dspark.server").info("stopped while the engine was loading")
+        log = logging.getLogger("dspark.server")
+        if failed is None:
+            log.info("stopped while the engine was loading")
+        else:
+            log.error("could not start serving on %s:%s (see the error above); exiting", args.host, args.port)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -57,6 +57,10 @@ class LLM:
         llm._attach(Engine(config))
         return llm
 
+    def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        """The tokenizer requests are encoded with (vLLM's LLM.get_tokenizer)."""
+        return self.tokenizer
+
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers, if any (they also end with the process)."""
         self.engine.close()

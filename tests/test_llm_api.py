@@ -119,6 +119,7 @@ def test_vllm_output_shape_and_n_samples(llm):
     """`outputs[0].text`, `prompt` and n samples per prompt, as a vLLM script reads them: each
     sample is the one-sample request with seed + i, token for token."""
     greedy = llm.generate("a b c", GREEDY)[0]
+    assert greedy.prompt_token_ids == llm.get_tokenizer().encode("a b c")
     assert greedy.prompt == "a b c" and len(greedy.outputs) == 1
     one = greedy.outputs[0]
     assert (one.index, one.text, one.token_ids, one.finish_reason) == (0, greedy.text, greedy.token_ids, "length")

@@ -32,13 +32,42 @@ def _weights(n: int = 96, k: int = 128, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=g) * 0.05
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def _q4_k_bytes(w: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q4_K layout for w [N, K] (K a multiple of 256; gguf-py writes no Q4_K): per
+    sub-block of 32 a min/max grid of 16 steps, its scale and min as 6-bit multiples of the
+    super-block's fp16 d and dmin. Only the layout matters here, not the best grid."""
+    n, k = w.shape
+    g = w.reshape(n, k // 256, 8, 32).astype(np.float32)
+    lo, hi = np.minimum(g.min(-1), 0), g.max(-1)
+    d = ((hi - lo) / 15 / 63).max(-1).astype(np.float16)
+    dmin = (-lo / 63).max(-1).astype(np.float16)
+    safe = lambda x: np.where(x > 0, x, 1).astype(np.float32)  # noqa: E731
+    sc = np.clip(np.round((hi - lo) / 15 / safe(d)[..., None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / safe(dmin)[..., None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc
+    off = dmin.astype(np.float32)[..., None] * m
+    q = np.clip(np.round((g + off[..., None]) / safe(step)[..., None]), 0, 15).astype(np.uint8)
+    scales = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                             (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], -1)
+    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(n, k // 256, 128)
+    head = [x.reshape(n, k // 256, 1).view(np.uint8) for x in (d, dmin)]
+    return np.concatenate([*head, scales, qs], -1).reshape(n, -1)
+
+
+def _quantize(w: np.ndarray, kind: T) -> np.ndarray:
+    return _q4_k_bytes(w) if kind == T.Q4_K else quantize(w, kind)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 def test_gguf_blocks_round_trip(kind: str) -> None:
     """Codes and scales read from GGUF blocks reproduce gguf's own de-quantization; Q4 exactly,
     Q8_0 within its per-row re-scaling (one int8 step of the row's largest block scale)."""
-    w = _weights(8, 96).numpy() * np.linspace(0.2, 3.0, 96, dtype=np.float32)  # blocks with other scales
-    raw = quantize(w, T[kind])
+    k = 512 if kind == "Q4_K" else 96
+    w = _weights(8, k).numpy() * np.linspace(0.2, 3.0, k, dtype=np.float32)  # blocks with other scales
+    raw = _quantize(w, T[kind])
     ref = torch.from_numpy(dequantize(raw, T[kind]).astype(np.float32))
+    assert (ref - torch.from_numpy(w)).abs().max() < 0.1 * np.abs(w).max()  # a real quantization of w
     got = gguf_blocks(raw, kind, w.shape).dequantize()
     if kind == "Q8_0":
         step = ref.abs().amax(-1, keepdim=True) / 127
@@ -101,7 +130,7 @@ def _write_quantized_gguf(path, model, kind: T) -> None:  # noqa: ANN001
 
     def add(self, name, tensor, *a, **kw):  # noqa: ANN001, ANN202
         if name.startswith("blk.") and name.endswith(".weight") and tensor.ndim == 2:
-            return real_add(self, name, quantize(tensor, kind), raw_dtype=kind)
+            return real_add(self, name, _quantize(tensor, kind), raw_dtype=kind)
         return real_add(self, name, tensor, *a, **kw)
 
     gguf.GGUFWriter.add_tensor = add
@@ -112,7 +141,7 @@ def _write_quantized_gguf(path, model, kind: T) -> None:  # noqa: ANN001
     assert _REV and c.hidden_size % 32 == 0
 
 
-@pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_0, T.Q8_0])
+@pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_0, T.Q4_K, T.Q8_0])
 def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch, kind: T) -> None:  # noqa: ANN001
     """--quantization auto keeps a GGUF's Q4_0/Q4_1 layers as int4 and Q8_0 as int8 (in bf16), and
     their products equal those of the loader's de-quantized (dense) weights."""
@@ -122,7 +151,9 @@ def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch
 
     _allow_gguf_without_accelerate(monkeypatch)
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-    model = _tiny("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    width = 256 if kind == T.Q4_K else 64  # a Q4_K row holds whole super-blocks of 256
+    model = _tiny("llama", hidden_size=width, intermediate_size=width + 256 if kind == T.Q4_K else 96,
+                  num_attention_heads=4, num_key_value_heads=2)
     src = tmp_path / "q.gguf"
     _write_quantized_gguf(src, model, kind)
     want = Int8Linear if kind == T.Q8_0 else Int4Linear
@@ -139,7 +170,7 @@ def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch
     assert set(dense.quantization) == {"Linear"}
     kept = Engine(EngineConfig(model=str(src), device="cpu", dtype="float32",
                                quantization="int8" if kind == T.Q8_0 else "int4"))
-    x = torch.randn(3, 96)
+    x = torch.randn(3, model.config.intermediate_size)
     for a, b in zip(dense.model.layers, kept.model.layers):
         for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             da, qb = a.get_submodule(path), b.get_submodule(path)

@@ -23,7 +23,7 @@ _FUSED = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 
           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
           "down_proj": ("mlp.down_proj", 0)}
 _PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 log = logging.getLogger(__name__)
 
 
@@ -37,11 +37,31 @@ def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return blocks[..., 2:].copy().view(np.int8), _block_scale(blocks)
 
 
+def _q4_k(raw: np.ndarray, n: int, k: int) -> Int4Weight:
+    """Q4_K super-blocks (256 inputs: fp16 d and dmin, eight 6-bit scales and mins, 4-bit codes)
+    as int4 groups of 32: each of a super-block's eight sub-blocks is one affine group,
+    w = d * sc * q - dmin * m, so its scale is d * sc and its offset 8 d sc - dmin m."""
+    from gguf.quants import Q4_K
+
+    b = np.ascontiguousarray(raw).reshape(-1, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
+    # 4 runs of 32 bytes: the low nibbles are sub-block 2j, the high ones sub-block 2j + 1
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = torch.from_numpy((qs & 0x0F).astype(np.int32).reshape(n, k))
+    scale = torch.from_numpy((d * sc).reshape(n, k // GROUP))
+    mins = torch.from_numpy((dmin * m).reshape(n, k // GROUP))
+    return Int4Weight(q, scale, 8 * scale - mins)
+
+
 def gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Weight | Int8Weight:
-    """A GGUF Q4_0 / Q4_1 / Q8_0 tensor (raw bytes, [N, bytes per row]) as codes and scales.
-    Q4 blocks are kept exactly (w = (q - 8) * d + zero); Q8_0 blocks, whose scale is per 32
-    inputs, get one scale per row (exact where a row's blocks share a scale)."""
+    """A GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 tensor (raw bytes, [N, bytes per row]) as codes and
+    scales. Q4 blocks are kept exactly (w = (q - 8) * d + zero); Q8_0 blocks, whose scale is per
+    32 inputs, get one scale per row (exact where a row's blocks share a scale)."""
     n, k = shape
+    if kind == "Q4_K":
+        return _q4_k(raw, n, k)
     blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, -1)
     if kind == "Q8_0":
         q, d = _q8_0(blocks)
@@ -68,7 +88,7 @@ def _cat(ws: list[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
 
 def gguf_linear_parts(reader) -> dict[str, tuple[str, Int4Weight | Int8Weight]]:  # noqa: ANN001
     """Fused layer linears whose GGUF parts (a ``gguf.GGUFReader``'s) all share one kept layout ("Q4"
-    for Q4_0/Q4_1, or "Q8_0"): ``layers.3.mlp.gate_up_proj`` -> (layout, codes and scales in the
+    for Q4_0/Q4_1/Q4_K, or "Q8_0"): ``layers.3.mlp.gate_up_proj`` -> (layout, codes and scales in the
     model's row order)."""
     arch, n_head, n_kv = gguf_heads(reader)
     found: dict[str, dict[int, tuple[str, Int4Weight | Int8Weight]]] = {}
@@ -86,7 +106,8 @@ def gguf_linear_parts(reader) -> dict[str, tuple[str, Int4Weight | Int8Weight]]:
         found.setdefault(f"layers.{layer}.{fused}", {})[slot] = (kind, gguf_blocks(raw, kind, shape))
     out = {}
     for name, slots in found.items():
-        # Q4_0 and Q4_1 share one layout (codes, scale, offset): a layer may mix them
+        # Q4_0, Q4_1 and Q4_K share one layout (codes, scale, offset): a layer may mix them; a
+        # part of another type (a Q4_K_M file's Q6_K attn_v) leaves the fused linear dense
         kinds = {"Q4" if k.startswith("Q4") else k for k, _ in slots.values()}
         if len(slots) == _PARTS[name.split(".", 2)[2]] and len(kinds) == 1:
             out[name] = (kinds.pop(), _cat([slots[i][1] for i in sorted(slots)]))
@@ -110,7 +131,7 @@ def gguf_head_blocks(reader) -> tuple[torch.Tensor, torch.Tensor] | None:  # noq
 # whole vocabulary and merges in Python (seconds on every start), reading this back takes a blink.
 # Safetensors inside, but not named *.safetensors: the folder's dense weights are all of those.
 KEPT_FILE = "gguf_blocks.st"
-_KEPT_VERSION = "1"  # bump when what gguf_linear_parts or gguf_head_blocks return changes
+_KEPT_VERSION = "2"  # bump when what gguf_linear_parts or gguf_head_blocks return changes
 
 LinearParts = dict[str, tuple[str, Int4Weight | Int8Weight]]
 HeadBlocks = tuple[torch.Tensor, torch.Tensor] | None

@@ -32,7 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 on CUDA and on CPUs with native bf16, else fp32), fp32, bf16, fp16")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="decoder-layer weights on CPU: auto (keep a GGUF's Q4_0/Q4_1 as int4 and Q8_0 as "
+                   help="decoder-layer weights on CPU: auto (keep a GGUF's Q4_0/Q4_1/Q4_K as int4 and Q8_0 as "
                         "int8; safetensors stay dense), none (dense, pre-packed), int8, int4 (quantized at "
                         "load when the file is not); CUDA keeps dense weights")
     p.add_argument("--device", default="auto")

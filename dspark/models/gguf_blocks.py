@@ -16,7 +16,7 @@ import torch
 
 from dspark.atomic import atomic_path
 from dspark.models.loader import gguf_heads, gguf_hf_name, unpermute_rotary_rows
-from dspark.models.quant import GROUP, Int4Weight, Int8Weight, quantize_int8
+from dspark.models.quant import GROUP, Int4Weight, Int8Weight
 
 _FUSED = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
@@ -57,15 +57,15 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> Int4Weight:
 
 def gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Weight | Int8Weight:
     """A GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 tensor (raw bytes, [N, bytes per row]) as codes and
-    scales. Q4 blocks are kept exactly (w = (q - 8) * d + zero); Q8_0 blocks, whose scale is per
-    32 inputs, get one scale per row (exact where a row's blocks share a scale)."""
+    scales, exactly: Q4 blocks as w = (q - 8) * d + zero, Q8_0 blocks as codes with one scale per
+    block of 32 inputs."""
     n, k = shape
     if kind == "Q4_K":
         return _q4_k(raw, n, k)
     blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, -1)
     if kind == "Q8_0":
         q, d = _q8_0(blocks)
-        return quantize_int8(torch.from_numpy((q.astype(np.float32) * d[..., None]).reshape(n, k)))
+        return Int8Weight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d))
     if kind not in ("Q4_0", "Q4_1"):
         raise ValueError(f"no int4/int8 layout for GGUF type {kind}")
     d = _block_scale(blocks)

@@ -63,13 +63,17 @@ class Int4Weight:
 
 @dataclass
 class Int8Weight:
-    """8-bit codes ([N, K] int8) with one float32 scale per output channel: w = q * scale."""
+    """8-bit codes ([N, K] int8) with float32 scales, one per output channel ([N]) or, as a GGUF's
+    Q8_0 blocks, one per group of 32 inputs ([N, K / GROUP]): w = q * scale."""
 
     q: torch.Tensor
     scale: torch.Tensor
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
+        if self.scale.dim() == 1:
+            return self.q.float() * self.scale[:, None]
+        n, k = self.q.shape
+        return (self.q.float().view(n, k // GROUP, GROUP) * self.scale[..., None]).view(n, k)
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Weight:
@@ -196,15 +200,17 @@ class Q8Linear(_WeightOnly):
     """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles or VNNI,
     bf16 in and out (on AVX2, float32 with int8_rows only): half a bf16 weight's bytes read per
     call, at a cost that hardly grows up to 16 rows on AMX.
-    Each row's result depends on that row alone, so prompt rows need no dense copy. int8_rows:
+    Each row's result depends on that row alone, so prompt rows need no dense copy (prefill_dense
+    keeps one for their speed, as :class:`Int4Linear`'s). int8_rows:
     the rows are quantized to int8 per group of 32 too (``amx.mm8``, as llama.cpp runs a Q8_0
     product; several times faster at a few rows, where expanding the codes to bf16 bounds the
     other path). Both paths give a row the same bits alone or in any batch."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, amx, bias: torch.Tensor | None = None,  # noqa: ANN001
-                 int8_rows: bool = False, dtype: torch.dtype = torch.bfloat16):
+                 int8_rows: bool = False, dtype: torch.dtype = torch.bfloat16, prefill_dense: bool = False):
         super().__init__()
         self.amx = amx
+        deq = Int8Weight(codes, scale.half().float()).dequantize  # the kernel's fp16 scales
         if int8_rows:
             packed, scale, sums = amx.pack8(codes, scale)
         else:
@@ -212,7 +218,7 @@ class Q8Linear(_WeightOnly):
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("sums", sums)  # empty: bf16 rows
-        self._attach(codes.shape, bias, dtype, None)
+        self._attach(codes.shape, bias, dtype, deq if prefill_dense else None)
 
     def amx_weights(self) -> tuple[torch.Tensor, ...] | None:
         """As :meth:`Int4Linear.amx_weights`, with the code sums of an int8-rows weight (else empty)."""
@@ -257,8 +263,8 @@ def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torc
         return "none"
     if mode != "auto":
         return mode
-    if dtype == torch.float32 and cpu_ops.quant_dtype() == torch.float32:
-        return "int4" if file_kind == "Q4" else "none"  # the AVX2 kernels (Q8_0 layers: no path yet)
+    if dtype == torch.float32 and cpu_ops.quant_dtype() == torch.float32:  # the AVX2 kernels
+        return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
     if dtype not in (torch.bfloat16, torch.float16):
         return "none"  # torch's weight-only CPU kernels are several times slower than dense in fp32
     return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
@@ -322,11 +328,16 @@ def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
         kind = "none"
     if kind == "none":
         return PackedLinear(lin.weight, lin.bias) if cpu_packable else lin
+    dense_copy = cpu_packable  # prompt rows need a GEMM; the weight-only kernels are row by row
     if parts is not None and (kind == "int4") == (parts[0] == "Q4"):
         w = parts[1]  # the file's own codes, fused along the output dimension
+        if kind == "int8":  # Q8_0 blocks: ours take them as they are, torch's one scale per row
+            amx = cpu_ops.quant() if dtype == cpu_ops.quant_dtype() and lin.weight.device.type == "cpu" else None
+            if amx is not None and w.q.shape[0] % 32 == 0:
+                return Q8Linear(w.q, w.scale, amx, lin.bias, int8_rows=True, dtype=dtype, prefill_dense=dense_copy)
+            w = quantize_int8(w.dequantize())
     else:
         w = (quantize_int4 if kind == "int4" else quantize_int8)(lin.weight.detach().float())
-    dense_copy = cpu_packable  # prompt rows need a GEMM; the weight-only kernels are row by row
     return (Int4Linear if kind == "int4" else Int8Linear)(w, lin.bias, dtype, dense_copy)
 
 

@@ -1,8 +1,10 @@
-"""Plain decoding speed of a random llama stored as Q4_K (as a Q4_K_M file stores its attention
-and MLP projections), its layers kept as int4 (`--quantization auto`) against dense (`none`).
-No real Q4_K file is available offline; speed depends on the shapes, not on the weights' values.
+"""Plain decoding speed of a random llama whose layer projections a GGUF stores as Q4_K (as a
+Q4_K_M file stores most of them) or Q8_0, the file's blocks kept (`--quantization auto`) against
+the same weights dense (`none`). No such real file is available offline; speed depends on the
+shapes, not on the weights' values.
 
-    .venv/bin/python scripts/q4k_speed.py [--hidden 2048] [--intermediate 5632] [--layers 8] [--tokens 64]
+    .venv/bin/python scripts/kept_blocks_speed.py [--kind Q4_K|Q8_0] [--hidden 2048] [--intermediate 5632]
+        [--layers 8] [--tokens 64]
 
 Writes the file with the test suite's GGUF writer and Q4_K encoder (tests/), then runs
 `dspark bench --methods ar` on it once per mode and prints both tables.
@@ -24,6 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", default="Q4_K", choices=["Q4_K", "Q8_0"])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=5632)
     ap.add_argument("--layers", type=int, default=8)
@@ -36,8 +39,8 @@ def main() -> None:
     tmp = pathlib.Path(tempfile.mkdtemp())
     model = _tiny("llama", hidden_size=args.hidden, intermediate_size=args.intermediate,
                   num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=4)
-    src = tmp / "q4k.gguf"
-    _write_quantized_gguf(src, model, T.Q4_K)
+    src = tmp / "model.gguf"
+    _write_quantized_gguf(src, model, T[args.kind])
     prompts = tmp / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "hi " * (8 + i)}) + "\n" for i in range(4)))
     for mode in ("auto", "none"):

@@ -131,7 +131,7 @@ def gguf_head_blocks(reader) -> tuple[torch.Tensor, torch.Tensor] | None:  # noq
 # whole vocabulary and merges in Python (seconds on every start), reading this back takes a blink.
 # Safetensors inside, but not named *.safetensors: the folder's dense weights are all of those.
 KEPT_FILE = "gguf_blocks.st"
-_KEPT_VERSION = "2"  # bump when what gguf_linear_parts or gguf_head_blocks return changes
+_KEPT_VERSION = "3"  # bump when what gguf_linear_parts or gguf_head_blocks return changes
 
 LinearParts = dict[str, tuple[str, Int4Weight | Int8Weight]]
 HeadBlocks = tuple[torch.Tensor, torch.Tensor] | None

@@ -304,8 +304,8 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
             stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
     forget_stack(model.layers)
     if cpu_packable(model.lm_head.weight):
-        model.lm_head = _cpu_head(model.lm_head, quantized=bool({"Int4Linear", "Int8Linear"} & set(summary)),
-                                  head_blocks=head_blocks)
+        quantized = bool({"Int4Linear", "Int8Linear", "Q8Linear"} & set(summary))
+        model.lm_head = _cpu_head(model.lm_head, quantized=quantized, head_blocks=head_blocks)
         log.info("LM head: %s", type(model.lm_head).__name__)
     return {k: {"count": c, "bytes": b} for k, (c, b) in summary.items()}
 

@@ -217,6 +217,26 @@ def test_engine_load_aware_verifies_less_same_output(folders, single_thread, dra
     assert stats["load-aware"].accepted > 0
 
 
+@pytest.mark.parametrize("cost,verifies", [(FLAT, "all"), (STEEP, "none")], ids=["flat", "steep"])
+def test_prompt_lookup_is_priced_under_load_aware(folders, single_thread, monkeypatch, cost, verifies):
+    """The n-gram drafter alone (deterministic, verified whole under the fixed policy) is cut by
+    the load-aware policy at its running acceptance: (nearly) all of every chain where extra
+    tokens cost nothing, none where each costs a whole pass; greedy output equals plain decoding's."""
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: cost)
+    prompts = [[5 + (i % k) for i in range(30)] for k in (3, 4, 6)] + alphabet_prompts([20, 31], seed=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
+    engine = make_engine(folders["target"], "ngram", policy="load-aware")
+    outs = run_requests(engine, [(p, dataclasses.replace(sp), None) for p in prompts])
+    plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    st = engine.spec_stats
+    assert st.proposed > 0
+    if verifies == "all":
+        assert st.verified >= 0.9 * st.proposed and st.accepted > 0  # (a chain may end at max_tokens)
+    else:
+        assert st.verified == 0
+
+
 def test_engine_pauses_drafter_when_it_cannot_pay(folders, single_thread, monkeypatch):
     """When every verified token costs a whole pass, no choice beats plain decoding once the
     drafter's pass is paid: the runner stops drafting for most steps and output is unchanged."""

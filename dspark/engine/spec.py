@@ -18,8 +18,9 @@ class SpecRunner:
     """Runs one proposer for the engine. Each step: budgets per request, then (for neural
     proposers) prompt lookup first, the proposer's pass for the requests without a looked-up
     chain, and the controller's cut of every draft. Deterministic proposers (prompt lookup
-    alone) are verified whole. With the base Proposer every request verifies just its anchor
-    (plain decoding)."""
+    alone) are verified whole, except under the load-aware policy, which cuts their chains at the
+    running acceptance per position like any other (each verified token is a row of the pass).
+    With the base Proposer every request verifies just its anchor (plain decoding)."""
 
     def __init__(self, cfg: SpecConfig, proposer: Proposer, stats: SpecStats, max_model_len: int):
         self.cfg, self.proposer, self.stats = cfg, proposer, stats
@@ -36,7 +37,8 @@ class SpecRunner:
         # load-aware needs the target's cost profile: calibrate() supplies it once the engine is
         # complete (CUDA graphs change what a pass costs)
         policy = None if cfg.policy == "load-aware" else make_policy(cfg.policy, cfg.threshold, None)
-        self.controller = VerifyLengthController(policy, stats, cfg.tree) if neural else None
+        priced = neural or (proposer.num_drafts > 0 and cfg.policy == "load-aware")
+        self.controller = VerifyLengthController(policy, stats, cfg.tree and neural) if priced else None
 
     @property
     def graphs(self):  # noqa: ANN201 - cuda_graphs.GraphPool
@@ -109,9 +111,14 @@ class SpecRunner:
         if not active:
             return {}
         budgets = [b for b in budgets if b > 0]
-        if self.controller is None:  # deterministic drafts are verified whole
+        if self.controller is None:  # deterministic drafts under a fixed or threshold policy: whole
             drafts = self.proposer.draft(active, budgets)
             return {s.seq_id: Proposal(d.tokens, num_proposed=d.num_proposed) for s, d in zip(active, drafts)}
+        if self.proposer.deterministic:  # priced at the running acceptance, found for free
+            drafts = self.proposer.draft(active, budgets)
+            plain = [Draft([])] * (len(seqs) - len(active))
+            chosen = self.controller.choose(drafts + plain, budgets + [0] * len(plain), other_tokens, 0.0)
+            return dict(zip([s.seq_id for s in active], chosen))
         paused = self.controller.paused(len(active), max(budgets))
         if paused and self.assist is None:
             return {}

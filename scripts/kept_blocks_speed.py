@@ -32,11 +32,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        run(args, pathlib.Path(folder))
+
+
+def run(args: argparse.Namespace, tmp: pathlib.Path) -> None:
     from gguf import GGMLQuantizationType as T
     from test_loader import _tiny
     from test_quant import _write_quantized_gguf
 
-    tmp = pathlib.Path(tempfile.mkdtemp())
     model = _tiny("llama", hidden_size=args.hidden, intermediate_size=args.intermediate,
                   num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=4)
     src = tmp / "model.gguf"

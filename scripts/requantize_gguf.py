@@ -29,6 +29,9 @@ def main() -> None:
     for field in reader.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue  # written by GGUFWriter itself
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+            continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)

@@ -221,7 +221,8 @@ def test_engine_load_aware_verifies_less_same_output(folders, single_thread, dra
 def test_prompt_lookup_is_priced_under_load_aware(folders, single_thread, monkeypatch, cost, verifies):
     """The n-gram drafter alone (deterministic, verified whole under the fixed policy) is cut by
     the load-aware policy at its running acceptance: (nearly) all of every chain where extra
-    tokens cost nothing, none where each costs a whole pass; greedy output equals plain decoding's."""
+    tokens cost nothing, hardly any where each costs a whole pass (a one-token probe after a
+    back-off); greedy output equals plain decoding's."""
     monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: cost)
     prompts = [[5 + (i % k) for i in range(30)] for k in (3, 4, 6)] + alphabet_prompts([20, 31], seed=4)
     sp = SamplingParams(temperature=0.0, max_tokens=32)
@@ -233,8 +234,8 @@ def test_prompt_lookup_is_priced_under_load_aware(folders, single_thread, monkey
     assert st.proposed > 0
     if verifies == "all":
         assert st.verified >= 0.9 * st.proposed and st.accepted > 0  # (a chain may end at max_tokens)
-    else:
-        assert st.verified == 0
+    else:  # only the probes that keep its acceptance current: a token per chain, backing off
+        assert 0 < st.verified < 0.1 * st.proposed, st.as_dict()
 
 
 def test_engine_pauses_drafter_when_it_cannot_pay(folders, single_thread, monkeypatch):

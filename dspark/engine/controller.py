@@ -32,8 +32,12 @@ class VerifyLengthController:
     # and the first passes' set-up only ever add time (as the target's CostModel, it errs cheap)
     DRAFT_TIME_EMA, DRAFT_TIME_EMA_DOWN = 0.2, 0.5
 
-    def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False):
+    def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False, optimistic: bool = False):
         self.policy, self.stats, self.tree = policy, stats, tree
+        # optimistic: price a position no verification has reached yet at the one before's rate
+        # (the first at 0.9) instead of 0.5; for drafts found for free (prompt lookup), which
+        # are only ever measured where tried
+        self.optimistic = optimistic
         self.draft_seconds: dict[int, float] = {}  # EMA of a proposer pass's wall time, by batch size
         self.num_draft_passes = 0
         self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
@@ -143,4 +147,5 @@ class VerifyLengthController:
         st = self.stats
         survival = [(a + 1) / (v + 2) for a, v in zip(st.accepted_per_pos, st.verified_per_pos)]
         rates = [min(1.0, s / p) for s, p in zip(survival, [1.0] + survival)]
-        return torch.tensor((rates + [0.5] * width)[:width])
+        fill = (rates[-1] if rates else 0.9) if self.optimistic else 0.5
+        return torch.tensor((rates + [fill] * width)[:width])

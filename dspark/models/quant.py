@@ -154,7 +154,8 @@ class Int4Linear(_WeightOnly):
         ours = dtype == cpu_ops.quant_dtype() and w.q.device.type == "cpu"
         self.amx = cpu_ops.quant() if ours and w.q.shape[0] % 32 == 0 else None
         if self.amx is not None:
-            scale = w.scale.half().float()  # a GGUF's own fp16 scales and offsets, exactly
+            # a GGUF's own fp16 scales and offsets: Q4_0/Q4_1's exactly, Q4_K's d * sc rounded to fp16
+            scale = w.scale.half().float()
             offset = (w.zero.double() - 8 * w.scale.double()).half().float()
             packed, scale_offset = self.amx.pack(w.q.to(torch.uint8), scale, offset)
             self.register_buffer("packed", packed)
@@ -284,7 +285,9 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
     dtype = next(model.parameters()).dtype
     if mode in ("int4", "int8") and dev.type != "cpu":
         log.warning("--quantization %s has no %s kernel yet: the layers stay dense %s", mode, dev.type, dtype)
-    elif mode in ("int4", "int8") and dtype == torch.float32 and (mode, cpu_ops.quant_dtype()) != ("int4", dtype):
+    elif (mode in ("int4", "int8") and dtype == torch.float32 and (mode, cpu_ops.quant_dtype()) != ("int4", dtype)
+          and not (mode == "int8" and cpu_ops.quant_dtype() == dtype
+                   and any(kind == "Q8_0" for kind, _ in (file_weights or {}).values()))):
         log.warning("--quantization %s in float32 runs torch's slow weight-only path; bf16 is the fast one", mode)
     summary: dict[str, list[int]] = {}
     file_weights = file_weights or {}
@@ -296,7 +299,7 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
             full = f"layers.{i}.{path}"
             parts = file_weights.get(full)
             kind = _resolve(mode, parts[0] if parts else None, dev, dtype)
-            new = _build(lin, kind, parts, dtype)
+            new = _build(lin, kind, parts, dtype, chosen=mode != "auto")
             setattr(parent, attr, new)
             stats = summary.setdefault(type(new).__name__, [0, 0])
             stats[0] += 1
@@ -320,7 +323,8 @@ def _cpu_head(head: nn.Module, quantized: bool, head_blocks) -> nn.Module:  # no
     return Int8Head(head, codes, scale, amx)
 
 
-def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
+def _build(lin: Linear, kind: str, parts, dtype: torch.dtype, chosen: bool = False) -> nn.Module:
+    """lin as the kernel `kind` (chosen: the user asked for it rather than `auto`)."""
     cpu_packable = lin.weight.device.type == "cpu" and cpu_reduced_precision(lin.weight)
     if kind == "int4" and lin.in_features % GROUP:
         log.warning("a %d-wide input does not split into int4 groups of %d: that layer stays dense",
@@ -335,6 +339,8 @@ def _build(lin: Linear, kind: str, parts, dtype: torch.dtype) -> nn.Module:
             amx = cpu_ops.quant() if dtype == cpu_ops.quant_dtype() and lin.weight.device.type == "cpu" else None
             if amx is not None and w.q.shape[0] % 32 == 0:
                 return Q8Linear(w.q, w.scale, amx, lin.bias, int8_rows=True, dtype=dtype, prefill_dense=dense_copy)
+            if dtype == torch.float32 and not chosen:  # torch's int8 kernel is slower than dense there
+                return lin
             w = quantize_int8(w.dequantize())
     else:
         w = (quantize_int4 if kind == "int4" else quantize_int8)(lin.weight.detach().float())

@@ -19,6 +19,10 @@ def _is_chat(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "role" in m for m in x)
 
 
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and isinstance(x[0], int)
+
+
 def _one_prompt(p: Any) -> str | list[int] | list[dict]:
     """vLLM's prompt forms for one request: a string, token ids, {"prompt": str},
     {"prompt_token_ids": ids}, or (ours) a conversation, as messages or a ChatPrompt."""
@@ -34,8 +38,7 @@ def _one_prompt(p: Any) -> str | list[int] | list[dict]:
 
 def _prompt_list(prompts: Any) -> list:
     """One prompt or a list of them -> a list of prompts."""
-    single = (isinstance(prompts, (str, dict, ChatPrompt)) or _is_chat(prompts)
-              or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)))
+    single = isinstance(prompts, (str, dict, ChatPrompt)) or _is_chat(prompts) or _is_token_ids(prompts)
     return [_one_prompt(prompts)] if single else [_one_prompt(p) for p in prompts]
 
 
@@ -84,26 +87,25 @@ class LLM:
         for p in params_list:
             p.validate()  # a field changed after construction (n above all) fails before anything is queued
         call = next(self._calls)
-        groups: list[list[str]] = []  # each prompt's request ids, one per sample
+        ids: list[str] = []  # every sample's request id, prompt by prompt
         done: dict[str, RequestOutput] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-                groups.append([])
                 for j in range(p.n):
                     rid = f"offline-{call}-{i}" + (f"-{j}" if j else "")
                     self.engine.add_request(rid, prompt, p.choice(j))
-                    groups[-1].append(rid)
-            mine = {r for g in groups for r in g}
+                    ids.append(rid)
+            mine = set(ids)
             from tqdm import tqdm
 
-            with tqdm(total=len(mine), desc="generating", unit="sample", disable=not use_tqdm) as bar:
-                while len(done) < len(mine):
+            with tqdm(total=len(ids), desc="generating", unit="sample", disable=not use_tqdm) as bar:
+                while len(done) < len(ids):
                     for out in self.engine.step():
                         if out.finished and out.request_id in mine:
                             done[out.request_id] = out
                             bar.update(1)
         except BaseException:
-            for rid in (r for g in groups for r in g):
+            for rid in ids:
                 if rid not in done:
                     self.engine.abort(rid)  # frees its pages at once
             # drain their outputs now; if the engine itself is failing, a later step drains them
@@ -111,7 +113,8 @@ class LLM:
             with contextlib.suppress(Exception):
                 self.engine.step()
             raise
-        return [self._joined(prompt, [done[r] for r in g]) for prompt, g in zip(prompts, groups)]
+        outs = iter(done[r] for r in ids)
+        return [self._joined(prompt, [next(outs) for _ in range(p.n)]) for prompt, p in zip(prompts, params_list)]
 
     def _joined(self, prompt: Any, outs: list[RequestOutput]) -> RequestOutput:
         """A prompt's samples as one RequestOutput (the first's fields, every sample in outputs),
@@ -119,7 +122,7 @@ class LLM:
         first = outs[0]
         if isinstance(prompt, str):
             text = prompt
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        elif _is_token_ids(prompt):
             text = None
         else:
             text = self.tokenizer.decode(first.prompt_token_ids, skip_special_tokens=False)

@@ -32,12 +32,15 @@ class VerifyLengthController:
     # and the first passes' set-up only ever add time (as the target's CostModel, it errs cheap)
     DRAFT_TIME_EMA, DRAFT_TIME_EMA_DOWN = 0.2, 0.5
 
-    def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False, optimistic: bool = False):
+    def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False, free_drafts: bool = False):
         self.policy, self.stats, self.tree = policy, stats, tree
-        # optimistic: price a position no verification has reached yet at the one before's rate
-        # (the first at 0.9) instead of 0.5; for drafts found for free (prompt lookup), which
-        # are only ever measured where tried
-        self.optimistic = optimistic
+        # free_drafts (prompt lookup alone: no pass to pay, and acceptance only ever measured where
+        # tried): a position no verification has reached yet is priced at the one before's rate
+        # (the first at 0.9) instead of 0.5, and while the policy admits no token, one token of
+        # each chain is verified after the back-off, so acceptance learned on other traffic
+        # cannot switch drafting off for good
+        self.free_drafts = free_drafts
+        self.idle_steps = 0  # free drafts: steps since the policy last admitted a token
         self.draft_seconds: dict[int, float] = {}  # EMA of a proposer pass's wall time, by batch size
         self.num_draft_passes = 0
         self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
@@ -122,7 +125,21 @@ class VerifyLengthController:
             rows.append(c if len(c) == width else torch.nn.functional.pad(c, (0, width - len(c))))
         limits = [min(b, len(d.tokens)) for d, b in zip(drafts, budgets)]
         lengths = self.policy.choose(limits, torch.stack(rows), other_tokens, draft_seconds)
+        if self.free_drafts:
+            lengths = self._probe(lengths, limits)
         return [d.cut(n) for d, n in zip(drafts, lengths)]
+
+    def _probe(self, lengths: list[int], limits: list[int]) -> list[int]:
+        """lengths, or a token of every chain once the policy has admitted none for the back-off."""
+        if any(lengths) or not any(limits):
+            if any(lengths):
+                self.idle_steps, self.backoff = 0, self.MIN_BACKOFF
+            return lengths
+        self.idle_steps += 1
+        if self.idle_steps < self.backoff:
+            return lengths
+        self.idle_steps, self.backoff = 0, min(2 * self.backoff, self.MAX_BACKOFF)
+        return [min(1, n) for n in limits]
 
     def _choose_nodes(self, drafts: list[Draft], other_tokens: int, draft_seconds: float) -> list[Proposal]:
         """Tree nodes by joint draft probability; chains beside them by their running survival."""
@@ -147,5 +164,5 @@ class VerifyLengthController:
         st = self.stats
         survival = [(a + 1) / (v + 2) for a, v in zip(st.accepted_per_pos, st.verified_per_pos)]
         rates = [min(1.0, s / p) for s, p in zip(survival, [1.0] + survival)]
-        fill = (rates[-1] if rates else 0.9) if self.optimistic else 0.5
+        fill = (rates[-1] if rates else 0.9) if self.free_drafts else 0.5
         return torch.tensor((rates + [fill] * width)[:width])

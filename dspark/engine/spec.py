@@ -38,11 +38,8 @@ class SpecRunner:
         # complete (CUDA graphs change what a pass costs)
         policy = None if cfg.policy == "load-aware" else make_policy(cfg.policy, cfg.threshold, None)
         priced = neural or (proposer.num_drafts > 0 and cfg.policy == "load-aware")
-        self.controller = VerifyLengthController(policy, stats, cfg.tree and neural, optimistic=not neural) \
+        self.controller = VerifyLengthController(policy, stats, cfg.tree and neural, free_drafts=not neural) \
             if priced else None
-        # lookups the policy keeps cutting to nothing are still probed (one token each) after a
-        # back-off, so acceptance learned on other traffic cannot switch them off for good
-        self.idle_lookups, self.probe_after = 0, VerifyLengthController.MIN_BACKOFF
 
     @property
     def graphs(self):  # noqa: ANN201 - cuda_graphs.GraphPool
@@ -115,14 +112,13 @@ class SpecRunner:
         if not active:
             return {}
         budgets = [b for b in budgets if b > 0]
-        if self.controller is None:  # deterministic drafts under a fixed or threshold policy: whole
+        if self.proposer.deterministic:
             drafts = self.proposer.draft(active, budgets)
-            return {s.seq_id: Proposal(d.tokens, num_proposed=d.num_proposed) for s, d in zip(active, drafts)}
-        if self.proposer.deterministic:  # priced at the running acceptance, found for free
-            drafts = self.proposer.draft(active, budgets)
-            plain = [Draft([])] * (len(seqs) - len(active))
+            if self.controller is None:  # under a fixed or threshold policy: verified whole
+                return {s.seq_id: Proposal(d.tokens, num_proposed=d.num_proposed) for s, d in zip(active, drafts)}
+            plain = [Draft([])] * (len(seqs) - len(active))  # found for free: priced, no pass to pay
             chosen = self.controller.choose(drafts + plain, budgets + [0] * len(plain), other_tokens, 0.0)
-            return dict(zip([s.seq_id for s in active], self._probe(drafts, chosen)))
+            return dict(zip([s.seq_id for s in active], chosen))
         paused = self.controller.paused(len(active), max(budgets))
         if paused and self.assist is None:
             return {}
@@ -153,19 +149,6 @@ class SpecRunner:
         if paused:  # a chain the policy cut to nothing leaves a plain step, as the pause would
             return {sid: p for sid, p in out.items() if p.tokens}
         return out
-
-    def _probe(self, drafts: list[Draft], chosen: list[Proposal]) -> list[Proposal]:
-        """chosen, or one token of every chain when the policy has verified none for a back-off."""
-        if any(p.tokens for p in chosen) or not any(d.tokens for d in drafts):
-            if any(p.tokens for p in chosen):
-                self.idle_lookups, self.probe_after = 0, VerifyLengthController.MIN_BACKOFF
-            return chosen
-        self.idle_lookups += 1
-        if self.idle_lookups < self.probe_after:
-            return chosen
-        self.idle_lookups = 0
-        self.probe_after = min(2 * self.probe_after, VerifyLengthController.MAX_BACKOFF)
-        return [d.cut(1) if d.tokens else p for d, p in zip(drafts, chosen)]
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A decode-only step's target tokens and its wall seconds outside the drafter pass (the

@@ -264,10 +264,10 @@ def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torc
         return "none"
     if mode != "auto":
         return mode
-    if dtype == torch.float32 and cpu_ops.quant_dtype() == torch.float32:  # the AVX2 kernels
-        return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
-    if dtype not in (torch.bfloat16, torch.float16):
-        return "none"  # torch's weight-only CPU kernels are several times slower than dense in fp32
+    # in float32 only the AVX2 kernels: torch's weight-only CPU kernels are several times slower than dense
+    ours = dtype == torch.float32 and cpu_ops.quant_dtype() == torch.float32
+    if not ours and dtype not in (torch.bfloat16, torch.float16):
+        return "none"
     return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
 
 
@@ -285,11 +285,8 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
     dtype = next(model.parameters()).dtype
     if mode in ("int4", "int8") and dev.type != "cpu":
         log.warning("--quantization %s has no %s kernel yet: the layers stay dense %s", mode, dev.type, dtype)
-    elif (mode in ("int4", "int8") and dtype == torch.float32 and (mode, cpu_ops.quant_dtype()) != ("int4", dtype)
-          and not (mode == "int8" and cpu_ops.quant_dtype() == dtype
-                   and any(kind == "Q8_0" for kind, _ in (file_weights or {}).values()))):
-        log.warning("--quantization %s in float32 runs torch's slow weight-only path; bf16 is the fast one", mode)
     summary: dict[str, list[int]] = {}
+    torch_kernels = False  # a layer on torch's weight-only kernels (several times slower than dense in fp32)
     file_weights = file_weights or {}
     for i, layer in enumerate(model.layers):
         for path in _LAYER_LINEARS:
@@ -301,11 +298,14 @@ def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[st
             kind = _resolve(mode, parts[0] if parts else None, dev, dtype)
             new = _build(lin, kind, parts, dtype, chosen=mode != "auto")
             setattr(parent, attr, new)
+            torch_kernels |= isinstance(new, Int8Linear) or (isinstance(new, Int4Linear) and new.amx is None)
             stats = summary.setdefault(type(new).__name__, [0, 0])
             stats[0] += 1
             stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
             stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
     forget_stack(model.layers)
+    if torch_kernels and dtype == torch.float32:
+        log.warning("--quantization %s in float32 runs torch's slow weight-only path; bf16 is the fast one", mode)
     if cpu_packable(model.lm_head.weight):
         quantized = bool({"Int4Linear", "Int8Linear", "Q8Linear"} & set(summary))
         model.lm_head = _cpu_head(model.lm_head, quantized=quantized, head_blocks=head_blocks)

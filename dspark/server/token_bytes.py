@@ -12,13 +12,10 @@ _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback
 
 @functools.cache
 def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme): printable Latin-1
-    bytes stand for themselves, the other 68 map in order onto U+0100 and up."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in keep]
-    table = {chr(b): b for b in keep}
-    table.update({chr(256 + i): b for i, b in enumerate(moved)})
-    return table
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme), inverted."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def token_bytes(tokenizer, token_id: int, text: str) -> bytes:  # noqa: ANN001 - any HF tokenizer

@@ -166,3 +166,46 @@ def test_server_answers_503_and_exits_when_a_worker_dies(folders, tmp_path):
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+_DROP_SCRIPT = """
+import os, sys
+from pathlib import Path
+from dspark import LLM, SamplingParams
+
+if __name__ == "__main__":  # the workers are spawned: they re-import this file
+    llm = LLM(model=sys.argv[1], drafter="none", device="cpu", dtype="float32", tensor_parallel_size=3,
+              kv_cache_tokens=512)
+    out = llm.generate([[1000, 1001, 1002]], SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].token_ids) == 4
+    procs = llm.engine.workers.procs  # the Process objects only: the handle itself must go with llm
+    del llm, out
+    # stopped by the "stop" message (exit code 0), not killed, and reaped: no zombie left behind
+    print("exitcodes", [p.exitcode for p in procs])
+    me = str(os.getpid())
+    kids = [d for d in Path("/proc").iterdir() if d.name.isdigit()
+            and (d / "stat").read_text().split(") ")[1].split()[1] == me]
+    print("workers left", [k.name for k in kids if b"spawn_main" in (k / "cmdline").read_bytes()])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="looks for leftover workers through /proc")
+def test_dropping_the_llm_stops_its_workers_quietly(tmp_path):
+    """A normal close (the LLM dropped after generate) says nothing: the workers used to print
+    PeerLost tracebacks when rank 0's groups went away under them."""
+    folder = tmp_path / "m"
+    common = dict(vocab_size=49152, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                  num_attention_heads=3, num_key_value_heads=3, head_dim=16, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2)  # 3 heads and 3 KV heads: one of each per rank
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).save_pretrained(folder)
+    copy_tokenizer(folder)
+    script = tmp_path / "drop.py"
+    script.write_text(_DROP_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, str(script), str(folder)], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "PeerLost" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "exitcodes [0, 0]" in r.stdout and "workers left []" in r.stdout, (r.stdout, r.stderr)

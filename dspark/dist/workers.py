@@ -1,11 +1,12 @@
 """Tensor-parallel worker processes: rank 0 (the engine) spawns ranks 1..N-1 with
-torch.multiprocessing (on CUDA, rank r uses GPU r), each loads its shard and KV heads, then mirrors every call rank 0 makes on
-its model: a forward (a StepInput), LM-head logits of some rows, or a K/V slot copy. Rank 0
-schedules, samples and drafts; the workers only compute.
+torch.multiprocessing (on CUDA, rank r uses GPU r), each loads its shard and KV heads, then
+mirrors every call rank 0 makes on its model: a forward (a StepInput), LM-head logits of some
+rows, or a K/V slot copy. Rank 0 schedules, samples and drafts; the workers only compute.
 
 A worker that dies makes rank 0's next collective fail (gloo closes its connections), and rank 0
 checks the processes before each call too: either way the engine raises PeerLost and the server
-answers 503 and exits, never hanging or answering from a partial model.
+answers 503 and exits, never hanging or answering from a partial model. A normal end (close(),
+the engine dropped, the interpreter exiting) sends the workers a "stop" and joins them: silent.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +86,12 @@ def _worker_main(rank: int, world: int, port: int, spec: ShardSpec) -> None:
 
 
 class Workers:
-    """Rank 0's handle on ranks 1..N-1: start them, send each call, watch them, stop them."""
+    """Rank 0's handle on ranks 1..N-1: start them, send each call, watch them, stop them.
+
+    The workers are stopped (a "stop" message, then joined) by close(), and also when this handle
+    is garbage-collected or the interpreter exits without close(): dropping the engine used to
+    destroy rank 0's gloo groups under workers waiting for their next call, which they took for a
+    lost peer and printed PeerLost tracebacks about."""
 
     def __init__(self, spec: ShardSpec, world: int):
         self.world = world
@@ -94,7 +101,13 @@ class Workers:
                                   name=f"dspark-tp-{r}") for r in range(1, world)]
         for p in self.procs:
             p.start()
-        self.group = Group.join(0, world, port, torch.device(spec.device))
+        try:
+            self.group = Group.join(0, world, port, torch.device(spec.device))
+        except BaseException:
+            _stop(self.procs, None)
+            raise
+        # holds the group (not self), so its connections stay open until the stop message is out
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.group)
 
     def check(self) -> None:
         """PeerLost when a worker process has exited."""
@@ -108,16 +121,25 @@ class Workers:
         self.group.broadcast(header, tensors)
 
     def close(self) -> None:
-        """Stop the workers (best effort: a dead group is left to the OS)."""
-        try:
-            if all(p.is_alive() for p in self.procs):
-                self.group.broadcast({"op": "stop"}, [])
-        except PeerLost:
-            pass
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+        """Stop the workers and reap them (idempotent; best effort: a dead group is left to the OS)."""
+        self._finalizer()
+
+
+def _stop(procs: list, group: Group | None, grace_s: float = 5.0) -> None:  # noqa: ANN001 - mp.Process
+    """Tell live workers to return, then join every one (killing one that does not return in
+    grace_s), so none is left running or as a zombie. A module function, not a method: it runs
+    from weakref.finalize, which must not hold the Workers it finalizes."""
+    try:
+        # all alive or none told: a broadcast some rank cannot join would wait out the group's timeout
+        if group is not None and procs and all(p.is_alive() for p in procs):
+            group.broadcast({"op": "stop"}, [])
+    except PeerLost:
+        pass  # a worker died in between: the joins below reap it
+    for p in procs:
+        p.join(timeout=grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=grace_s)
 
 
 def start_tensor_parallel(config, folder: str, device: torch.device, dtype: torch.dtype,  # noqa: ANN001

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.models import loader
+from dspark.models import gguf_tensors, loader
 from dspark.models.loader import ModelLoadError
 
 transformers = pytest.importorskip("transformers")
@@ -56,7 +56,8 @@ def test_default_model_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_converted_folder_layout(smol: tuple[str, str]) -> None:
     path, folder = smol
     names = set(os.listdir(folder))
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "source.txt"} <= names
+    assert {"config.json", "gguf_tensors.json", "tokenizer.json", "tokenizer_config.json", "source.txt"} <= names
+    assert not [n for n in names if n.endswith(".safetensors")]  # weights are read from the GGUF itself
     assert path in open(os.path.join(folder, "source.txt")).read()
     cfg = loader.load_config(folder)
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
@@ -76,7 +77,7 @@ def test_logits_match_transformers_gguf_loader(smol: tuple[str, str], monkeypatc
     path, folder = smol
     ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                dtype=torch.float32).eval()
-    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours = loader.load_transformers_model(folder).eval()
     ids = torch.tensor([[1, 19556, 905, 28, 638, 359, 346, 47, 2, 100, 2000, 30000]])
     with torch.no_grad():
         a, b = ref(ids).logits, ours(ids).logits
@@ -148,7 +149,7 @@ def test_bad_paths(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: 
 
 
 # ------------------------------------------------------------------ synthetic GGUFs (llama.cpp layout)
-_REV = {v: k for k, v in loader._LAYER_NAMES.items()}
+_REV = {v: k for k, v in gguf_tensors._LAYER_NAMES.items()}
 
 
 def _write_gguf(path, arch: str, model=None, rope_freqs=None) -> None:  # noqa: ANN001
@@ -225,7 +226,6 @@ def _tiny(arch: str, **extra):  # noqa: ANN202
     ],
 )
 def test_synthetic_gguf_roundtrip(tmp_path, monkeypatch: pytest.MonkeyPatch, arch: str, extra: dict) -> None:  # noqa: ANN001
-    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     model = _tiny(arch, **extra)
@@ -245,7 +245,7 @@ def test_synthetic_gguf_roundtrip(tmp_path, monkeypatch: pytest.MonkeyPatch, arc
     assert cfg["model_type"] == arch and cfg["tie_word_embeddings"] == model.config.tie_word_embeddings
     if rope_freqs is not None:
         assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["factor"] == 8.0
-    ours = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours = loader.load_transformers_model(folder).eval()
     ids = torch.tensor([[1, 5, 200, 259, 2, 7, 8, 100]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)

@@ -10,13 +10,14 @@ from spec_helpers import alphabet_prompts, make_engine, run_requests
 from test_spec_lossless import SMALL_PROMPT
 
 from dspark.config import SamplingParams
+from dspark.models.loader import load_transformers_model
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _reference(folder: str, prompt: list[int], n: int, bias: dict[int, float], allowed: list[int] | None):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = load_transformers_model(folder).eval()
     out: list[int] = []
     with torch.no_grad():
         while len(out) < n:

@@ -10,6 +10,7 @@ import torch
 from spec_helpers import alphabet_prompts, make_engine, run_requests
 
 from dspark.config import MAX_LOGPROBS, SamplingParams
+from dspark.models.loader import load_transformers_model
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -26,7 +27,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(folders):
     """log_softmax of transformers' logits at every position after the prompt, per output."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
+    hf = load_transformers_model(folders["target"]).eval()
 
     def get(prompt: list[int], out) -> torch.Tensor:
         ids = torch.tensor([prompt + out.token_ids[:-1]])
@@ -107,7 +108,7 @@ def test_top_alternatives_list_ties_by_id():
 def test_prompt_logprobs_equal_a_full_forward(folders, prompts, chunk):
     """Every prompt token after the first gets transformers' log-softmax at its position, also
     when the prompt is prefilled in chunks (7 tokens a forward) beside other requests."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
+    hf = load_transformers_model(folders["target"]).eval()
     kw = {"max_num_batched_tokens": chunk} if chunk else {}
     engine = make_engine(folders["target"], folders["dspark"], **kw)
     sp = dataclasses.replace(GREEDY, max_tokens=4, prompt_logprobs=2)

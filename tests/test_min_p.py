@@ -15,6 +15,7 @@ from test_spec_lossless import PASS, SMALL_PROMPT, chi2_pvalue, small  # noqa: F
 
 from dspark.config import SamplingParams
 from dspark.engine.sampling import warp_logits
+from dspark.models.loader import load_transformers_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -41,9 +42,8 @@ def test_min_p_applies_after_temperature():
 
 
 def _exact(folder: str, t: float, min_p: float) -> dict:
-    import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = load_transformers_model(folder).eval()
 
     def dist(ctx):
         with torch.no_grad():

@@ -10,6 +10,7 @@ import torch
 from spec_helpers import alphabet_prompts, make_engine, run_requests
 
 from dspark.config import SamplingParams
+from dspark.models.loader import load_transformers_model
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -41,7 +42,7 @@ def _reference(hf, prompt: list[int], stop: int, n: int, min_tokens: int) -> lis
 
 @pytest.mark.parametrize("drafter,tree", [("none", False), ("dspark", False), ("dspark", True)])
 def test_greedy_min_tokens_equal_a_reference(folders, prompts, drafter, tree):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
+    hf = load_transformers_model(folders["target"]).eval()
     engine = make_engine(folders["target"], folders.get(drafter, drafter), tree=tree, tree_budget=8)
     greedy = SamplingParams(temperature=0.0, max_tokens=60)
     cases = []  # (prompt, stop, min_tokens): the ban lifts at different places in a drafted block

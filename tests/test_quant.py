@@ -7,6 +7,7 @@ quantized target (chains and trees, fp32 and bf16).
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -22,7 +23,8 @@ from dspark.config import EngineConfig, SamplingParams
 from dspark.models import cpu_ops
 from dspark.models.gguf_blocks import gguf_blocks
 from dspark.models.packed import PackedLinear
-from dspark.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
+from dspark.models.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from dspark.models.quantize import quantize_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -192,11 +194,11 @@ def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch
 def test_speculative_equals_plain_on_kept_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch, kind: T) -> None:  # noqa: ANN001
     """A GGUF's Q8_0 / Q4_K blocks on our kernels (the decoder stack in one call included):
     prompt-lookup speculation gives plain decoding's greedy tokens of that target."""
+    from spec_helpers import require_kernels
     from test_loader import _allow_gguf_without_accelerate, _tiny
 
+    require_kernels(cpu_ops.quant(), quant=True)  # skips only where no build is possible
     dtype = cpu_ops.quant_dtype()
-    if dtype is None:
-        pytest.skip("no int4/int8 kernels on this CPU")
     _allow_gguf_without_accelerate(monkeypatch)
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     width = 256 if kind == T.Q4_K else 64
@@ -217,35 +219,44 @@ def test_speculative_equals_plain_on_kept_blocks(tmp_path, monkeypatch: pytest.M
     assert spec.spec_stats.verified > 0
 
 
-def test_kept_blocks_are_cached_beside_the_converted_copy(tmp_path) -> None:  # noqa: ANN001
-    """The blocks a GGUF keeps are parsed once and read back from the converted folder, equal to a
-    fresh parse; a file of another format version is parsed again and replaced."""
-    from safetensors.torch import save_file
-    from test_loader import _tiny
+@pytest.mark.parametrize("mode", ["auto", "none"])
+def test_kept_layers_are_never_made_dense(tmp_path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:  # noqa: ANN001
+    """Loading a GGUF reads each tensor from the file through the converted folder's index (no
+    dense copy on disk): with ``auto`` the layers kept in the file's blocks are built from them
+    alone, never de-quantized, and their blocks equal gguf's de-quantization of the file's own
+    tensors; with ``none`` every layer is made dense instead."""
+    from test_loader import _allow_gguf_without_accelerate, _tiny
 
-    from dspark.models.gguf_blocks import KEPT_FILE, gguf_head_blocks, gguf_linear_parts, kept_blocks
+    from dspark.models.gguf_blocks import KeptParts
+    from dspark.models.gguf_tensors import GGUFTensors, unpermute_rotary_rows
+    from dspark.models.loader import load_model, resolve_model_folder
 
+    _allow_gguf_without_accelerate(monkeypatch)
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     model = _tiny("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     src = tmp_path / "q.gguf"
     _write_quantized_gguf(src, model, T.Q4_1)
+    folder = resolve_model_folder(str(src))
+    assert not list(pathlib.Path(folder).glob("*.safetensors"))
+    made_dense: list[str] = []
+    real_dense = GGUFTensors.dense
+    monkeypatch.setattr(GGUFTensors, "dense", lambda self, e: made_dense.append(e.name) or real_dense(self, e))
+    net, _ = load_model(str(src), torch.device("cpu"), torch.bfloat16, mode)
+    layer_weights = [n for n in made_dense if n.startswith("blk.") and not n.endswith("norm.weight")]
+    assert layer_weights == [] if mode == "auto" else len(layer_weights) == 14
+    want = Int4Linear if mode == "auto" else PackedLinear
+    assert isinstance(net.layers[1].mlp.gate_up_proj, want) and isinstance(net.layers[0].self_attn.qkv_proj, want)
+
+    index = GGUFTensors.load(folder)
+    parts = KeptParts(index)
+    assert len(parts) == 8
     reader = gguf.GGUFReader(str(src))
-    want_parts, want_head = gguf_linear_parts(reader), gguf_head_blocks(reader)
-    assert len(want_parts) == 8
-
-    def same(got) -> bool:  # noqa: ANN001
-        parts, head = got
-        return head is None and want_head is None and parts.keys() == want_parts.keys() and all(
-            parts[n][0] == want_parts[n][0] and all(torch.equal(getattr(parts[n][1], f), getattr(want_parts[n][1], f))
-                                                    for f in ("q", "scale", "zero")) for n in parts)
-
-    folder = tmp_path / "converted"
-    folder.mkdir()
-    assert same(kept_blocks(str(src), folder)) and (folder / KEPT_FILE).is_file()
-    src.write_bytes(b"not a gguf any more")  # so the next answer can only come from the cache
-    assert same(kept_blocks(str(src), folder))
-    save_file({"x": torch.zeros(1)}, str(folder / KEPT_FILE), metadata={"version": "0"})
-    with pytest.raises(ValueError, match="GGUF magic invalid"):  # stale: the GGUF is read again
-        kept_blocks(str(src), folder)
+    files = {t.name: t for t in reader.tensors}
+    layout, w = parts["layers.1.self_attn.qkv_proj"]
+    ref = [unpermute_rotary_rows(dequantize(files[f"blk.1.attn_{x}.weight"].data, T.Q4_1).reshape(-1, 64),
+                                 "llama", f"blk.1.attn_{x}.weight", 4, 2) for x in "qkv"]
+    assert layout == "Q4"
+    torch.testing.assert_close(w.dequantize(), torch.from_numpy(np.concatenate(ref)), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("quant,dtype", [("int4", "float32"), ("int8", "float32"), ("int4", "bfloat16"),

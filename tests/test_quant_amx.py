@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import alphabet_prompts, make_engine, run_requests
+from spec_helpers import alphabet_prompts, make_engine, require_kernels, run_requests
 
 from dspark.config import SamplingParams
 from dspark.models import cpu_ops
 from dspark.models.packed import PackedHead
 from dspark.models.quant import Int4Linear, Int8Head, quantize_int4, quantize_q8_0
 
-pytestmark = [pytest.mark.usefixtures("single_thread"),
-              pytest.mark.skipif(cpu_ops.quant() is None, reason="no AMX, VNNI+BF16 or AVX2 here (or no compiler)")]
+pytestmark = pytest.mark.usefixtures("single_thread")
+require_kernels(cpu_ops.quant(), quant=True)  # a failed build where it could succeed fails, with its output
 DT = cpu_ops.quant_dtype() or torch.bfloat16  # the rows this build's kernels take
 DT_NAME = str(DT).removeprefix("torch.")
 
@@ -195,6 +195,7 @@ def test_gguf_head_blocks_are_the_files_own(tmp_path) -> None:  # noqa: ANN001
     from gguf.quants import dequantize, quantize
 
     from dspark.models.gguf_blocks import gguf_head_blocks
+    from dspark.models.gguf_tensors import GGUFTensors
 
     w = (np.random.default_rng(0).standard_normal((64, 96)) * 0.05).astype(np.float32)
     for kind, name in ((gguf.GGMLQuantizationType.Q8_0, "q8"), (gguf.GGMLQuantizationType.F32, "f32")):
@@ -206,7 +207,7 @@ def test_gguf_head_blocks_are_the_files_own(tmp_path) -> None:  # noqa: ANN001
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        got = gguf_head_blocks(gguf.GGUFReader(str(path)))
+        got = gguf_head_blocks(GGUFTensors.from_reader(gguf.GGUFReader(str(path)), str(path), "llama", 1, 1))
         if name == "f32":
             assert got is None
             continue

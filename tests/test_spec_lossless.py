@@ -28,6 +28,7 @@ from spec_helpers import assets, cpu_threads, make_engine, run_requests
 from dspark.config import SamplingParams
 from dspark.engine.sampling import accept_chain, sample, warp_logits
 from dspark.engine.tree import DraftTree, accept_trees
+from dspark.models.loader import load_transformers_model
 
 stats = pytest.importorskip("scipy.stats")
 
@@ -295,8 +296,8 @@ T_E2E, K_E2E = 1.5, 3
 
 def exact_first_three(model_folder: str, prompt: list[int], t: float = T_E2E, k: int = K_E2E) -> dict:
     """P(x1, x2, x3) of the target under temperature t and top-k, from HF transformers (13 forwards)."""
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    pytest.importorskip("transformers")
+    hf = load_transformers_model(model_folder).eval()
 
     def next_dist(ctx):
         with torch.no_grad():

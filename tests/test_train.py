@@ -16,6 +16,7 @@ import torch
 from safetensors.numpy import save_file
 
 from dspark.models.drafters.checkpoint import load_drafter
+from dspark.models.loader import load_transformers_model
 from dspark.train.data import GenSettings, generate_dataset, read_prompts
 from dspark.train.dataset import TokenDataset
 from dspark.train.drafter_init import default_layer_ids, frequent_tokens, load_target, make_drafter_config, new_drafter
@@ -147,7 +148,7 @@ def test_block_mask_shape():
 
 # ------------------------------------------------------------------ forwards
 def test_target_features_match_hf(tiny_folder, target):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    hf = load_transformers_model(tiny_folder).eval()
     ids = torch.tensor([[1, 500, 600, 700, 800, 900, 1000, 42], [1, 9, 8, 7, 6, 5, 2, 2]])
     with torch.no_grad():
         out = hf(input_ids=ids, output_hidden_states=True)
@@ -364,7 +365,7 @@ def test_generate_dataset_resumable(tiny_folder, tmp_path):
 def test_generate_dense_matches_hf_greedy(tiny_folder, target):
     from dspark.train.features import generate_dense
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    hf = load_transformers_model(tiny_folder).eval()
     prompts = [[1, 500, 600, 700, 800], [1, 42, 43], [1, 9, 8, 7, 6, 5, 4]]
     got = generate_dense(target, prompts, 6, [0.0, 0.0, 0.0], {2}, pad_id=2)
     for p, g in zip(prompts, got):

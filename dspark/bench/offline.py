@@ -161,17 +161,13 @@ class HFMethod:
     """transformers ``generate`` (greedy, left-padded batches) in the engine's dtype and device."""
 
     def __init__(self, cfg: EngineConfig, folder: str, max_tokens: int, temperature: float = 0.0, seed: int = 0):
-        import transformers
-        from transformers import AutoModelForCausalLM
-
-        from dspark.models.loader import load_tokenizer
+        from dspark.models.loader import load_tokenizer, load_transformers_model
 
         self.device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
         self.cuda, self.max_tokens = self.device.startswith("cuda"), max_tokens
         self.temperature, self.seed = temperature, seed
         t = time.perf_counter()
-        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        self.model = AutoModelForCausalLM.from_pretrained(folder, **{key: dtype}).to(self.device).eval()
+        self.model = load_transformers_model(folder, dtype).to(self.device).eval()
         tok = load_tokenizer(folder)
         self.run = MethodRun(load_s=time.perf_counter() - t)
         self.eos_ids = eos_ids(folder, tok)

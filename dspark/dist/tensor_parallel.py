@@ -20,8 +20,9 @@ from safetensors import safe_open
 from torch import nn
 
 from dspark.dist.group import Group
+from dspark.models.gguf_tensors import GGUFTensors
 from dspark.models.llama import LlamaConfig, LlamaModel
-from dspark.models.quant import quantize_model
+from dspark.models.quantize import quantize_model
 
 
 def check_divisible(c: LlamaConfig, world: int) -> None:
@@ -83,9 +84,11 @@ class ParallelLMHead(nn.Module):
 
 
 class _Slices:
-    """Reads slices of named tensors from a folder's safetensors files (never the whole file)."""
+    """Reads slices of named tensors from a folder's safetensors files (never the whole file), or
+    from the GGUF a converted folder indexes (a tensor de-quantized whole, then sliced)."""
 
     def __init__(self, folder: str):
+        self.gguf = GGUFTensors.load(folder)
         self.where: dict[str, tuple[Path, str]] = {}  # name -> (file, its key there)
         for f in sorted(Path(folder).glob("*.safetensors")):
             with safe_open(str(f), "pt") as h:
@@ -93,12 +96,20 @@ class _Slices:
                     self.where[k.removeprefix("model.")] = (f, k)
         self.handles: dict[Path, object] = {}
 
+    def _entry(self, name: str):  # noqa: ANN202 - the GGUF index entry of name, if any
+        by_hf = self.gguf.by_hf if self.gguf is not None else {}
+        return by_hf.get(f"model.{name}", by_hf.get(name))
+
     def has(self, name: str) -> bool:
-        return name in self.where
+        return name in self.where or self._entry(name) is not None
 
     def get(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        if name not in self.where:
+        if not self.has(name):
             raise ValueError(f"checkpoint is missing {name}")
+        if name not in self.where:
+            assert self.gguf is not None
+            t = self.gguf.dense(self._entry(name))
+            return t[rows or slice(None), cols] if cols is not None else t[rows or slice(None)]
         f, key = self.where[name]
         if f not in self.handles:
             self.handles[f] = safe_open(str(f), "pt")

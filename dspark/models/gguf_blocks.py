@@ -1,21 +1,21 @@
 """Read a GGUF's quantized layer weights as codes and scales (no de-quantization).
 
-The loader converts a GGUF into a dense HF folder once; when ``--quantization`` keeps the
-file's own 4-/8-bit weights, the decoder layers' projections are read here again from the
-memory-mapped file and fused the way the model fuses them (q/k/v, gate/up).
+When ``--quantization`` keeps the file's own 4-/8-bit weights, the decoder layers' projections
+are read here from the file (through the converted folder's index, ``gguf_tensors.py``), one
+fused linear at a time, and fused the way the model fuses them (q/k/v, gate/up); their dense
+weights are never made.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dspark.atomic import atomic_path
-from dspark.models.loader import gguf_heads, gguf_hf_name, unpermute_rotary_rows
+from dspark.models.gguf_tensors import GGUFTensors, TensorEntry, gguf_hf_name
 from dspark.models.quant import GROUP, Int4Weight, Int8Weight
 
 _FUSED = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
@@ -86,107 +86,69 @@ def _cat(ws: list[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
     return Int8Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]))
 
 
-def gguf_linear_parts(reader) -> dict[str, tuple[str, Int4Weight | Int8Weight]]:  # noqa: ANN001
-    """Fused layer linears whose GGUF parts (a ``gguf.GGUFReader``'s) all share one kept layout ("Q4"
-    for Q4_0/Q4_1/Q4_K, or "Q8_0"): ``layers.3.mlp.gate_up_proj`` -> (layout, codes and scales in the
-    model's row order)."""
-    arch, n_head, n_kv = gguf_heads(reader)
-    found: dict[str, dict[int, tuple[str, Int4Weight | Int8Weight]]] = {}
-    for t in reader.tensors:
-        hf = gguf_hf_name(t.name)
-        kind = t.tensor_type.name
-        if hf is None or not hf.endswith(".weight") or kind not in KEPT_TYPES or ".layers." not in hf:
-            continue
-        layer, proj = hf.split(".")[2], hf.split(".")[-2]
-        if proj not in _FUSED:
-            continue
-        fused, slot = _FUSED[proj]
-        shape = tuple(int(x) for x in reversed(t.shape))
-        raw = unpermute_rotary_rows(np.asarray(t.data).reshape(shape[0], -1), arch, t.name, n_head, n_kv)
-        found.setdefault(f"layers.{layer}.{fused}", {})[slot] = (kind, gguf_blocks(raw, kind, shape))
-    out = {}
-    for name, slots in found.items():
-        # Q4_0, Q4_1 and Q4_K share one layout (codes, scale, offset): a layer may mix them; a
-        # part of another type (a Q4_K_M file's Q6_K attn_v) leaves the fused linear dense
-        kinds = {"Q4" if k.startswith("Q4") else k for k, _ in slots.values()}
-        if len(slots) == _PARTS[name.split(".", 2)[2]] and len(kinds) == 1:
-            out[name] = (kinds.pop(), _cat([slots[i][1] for i in sorted(slots)]))
-    return out
+class KeptParts(Mapping):
+    """The fused layer linears whose GGUF parts all share one kept layout ("Q4" for Q4_0/Q4_1/Q4_K,
+    or "Q8_0"): ``layers.3.mlp.gate_up_proj`` -> (layout, codes and scales in the model's row
+    order). Which linears qualify is known from the index alone; a linear's blocks are read from
+    the file when it is looked up, so a load holds one linear's codes at a time."""
+
+    def __init__(self, index: GGUFTensors):
+        self.index = index
+        found: dict[str, dict[int, TensorEntry]] = {}
+        for hf, e in index.by_hf.items():
+            if not hf.endswith(".weight") or e.kind not in KEPT_TYPES or ".layers." not in hf:
+                continue
+            layer, proj = hf.split(".")[2], hf.split(".")[-2]
+            if proj in _FUSED:
+                fused, slot = _FUSED[proj]
+                found.setdefault(f"layers.{layer}.{fused}", {})[slot] = e
+        self.slots: dict[str, list[TensorEntry]] = {}
+        self.layouts: dict[str, str] = {}
+        for name, slots in found.items():
+            # Q4_0, Q4_1 and Q4_K share one layout (codes, scale, offset): a layer may mix them; a
+            # part of another type (a Q4_K_M file's Q6_K attn_v) leaves the fused linear dense
+            kinds = {"Q4" if e.kind.startswith("Q4") else e.kind for e in slots.values()}
+            if len(slots) == _PARTS[name.split(".", 2)[2]] and len(kinds) == 1:
+                self.slots[name] = [slots[i] for i in sorted(slots)]
+                self.layouts[name] = kinds.pop()
+
+    def __getitem__(self, name: str) -> tuple[str, Int4Weight | Int8Weight]:
+        parts = [gguf_blocks(self.index.raw(e), e.kind, e.shape) for e in self.slots[name]]
+        return self.layouts[name], _cat(parts)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def rows(self, name: str) -> int:
+        """Output rows of the fused linear ``name``."""
+        return sum(e.shape[0] for e in self.slots[name])
+
+    def hf_weights(self, name: str) -> list[str]:
+        """The HF names of the dense weights ``name`` is fused from."""
+        return [str(gguf_hf_name(e.name)) for e in self.slots[name]]
 
 
-def gguf_head_blocks(reader) -> tuple[torch.Tensor, torch.Tensor] | None:  # noqa: ANN001
-    """The LM head's own Q8_0 blocks in a ``gguf.GGUFReader`` (``output.weight``, else the tied
-    ``token_embd.weight``) as int8 codes [vocab, hidden] and float32 scales [vocab, hidden / 32];
-    None for another type."""
-    tensors = {t.name: t for t in reader.tensors}
-    t = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    if t is None or t.tensor_type.name != "Q8_0":
+def gguf_head_blocks(index: GGUFTensors) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The LM head's own Q8_0 blocks (``output.weight``, else the tied ``token_embd.weight``) as
+    int8 codes [vocab, hidden] and float32 scales [vocab, hidden / 32]; None for another type."""
+    e = index.entries.get("output.weight", index.entries.get("token_embd.weight"))
+    if e is None or e.kind != "Q8_0":
         return None
-    n, k = (int(x) for x in reversed(t.shape))
-    codes, scale = _q8_0(np.ascontiguousarray(np.asarray(t.data)).reshape(n, k // GROUP, -1))
+    n, k = e.shape
+    codes, scale = _q8_0(index.raw(e).reshape(n, k // GROUP, -1))
     return torch.from_numpy(codes.reshape(n, k)), torch.from_numpy(scale)
 
 
-# The kept blocks of a converted GGUF, saved beside its dense copy: parsing a GGUF header walks its
-# whole vocabulary and merges in Python (seconds on every start), reading this back takes a blink.
-# Safetensors inside, but not named *.safetensors: the folder's dense weights are all of those.
-KEPT_FILE = "gguf_blocks.st"
-_KEPT_VERSION = "3"  # bump when what gguf_linear_parts or gguf_head_blocks return changes
-
-LinearParts = dict[str, tuple[str, Int4Weight | Int8Weight]]
-HeadBlocks = tuple[torch.Tensor, torch.Tensor] | None
+HeadBlocks = Callable[[], "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
-def kept_blocks(gguf_path: str, folder: str | Path) -> tuple[LinearParts, HeadBlocks]:
-    """(gguf_linear_parts, gguf_head_blocks) of the GGUF at gguf_path, from ``folder/KEPT_FILE``
-    (its converted copy's folder) when that was written for this file, else read from the GGUF
-    and written there for the next start (skipped where the folder is read-only)."""
-    from gguf import GGUFReader
-
-    path = Path(folder) / KEPT_FILE
-    kept = _load_kept(path)
-    if kept is not None:
-        return kept
-    reader = GGUFReader(gguf_path)
-    parts, head = gguf_linear_parts(reader), gguf_head_blocks(reader)
-    try:
-        _save_kept(path, parts, head)
-    except OSError as e:
-        log.info("kept GGUF blocks not cached in %s: %s", path, e)
-    return parts, head
-
-
-def _save_kept(path: Path, parts: LinearParts, head: HeadBlocks) -> None:
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for name, (layout, w) in parts.items():
-        # int4 codes are 0..15: a byte each on disk, int32 again once read
-        tensors[f"{name}.q"] = w.q.to(torch.uint8) if layout == "Q4" else w.q
-        tensors[f"{name}.scale"] = w.scale
-        if layout == "Q4":
-            tensors[f"{name}.zero"] = w.zero
-    if head is not None:
-        tensors["lm_head.codes"], tensors["lm_head.scale"] = head
-    meta = {"version": _KEPT_VERSION, "layouts": json.dumps({n: layout for n, (layout, _) in parts.items()})}
-    with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-        tmp.chmod(0o644)  # as the converted folder's other files: the cache may be shared
-
-
-def _load_kept(path: Path) -> tuple[LinearParts, HeadBlocks] | None:
-    from safetensors import safe_open
-
-    if not path.is_file():
+def kept_blocks(folder: str | Path) -> tuple[KeptParts, HeadBlocks] | None:
+    """(the kept layer linears, a reader of the head's Q8_0 blocks) of a converted GGUF's folder,
+    or None for a folder of safetensors."""
+    index = GGUFTensors.load(folder)
+    if index is None:
         return None
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("version") != _KEPT_VERSION:
-            return None
-        parts: LinearParts = {}
-        for name, layout in json.loads(meta["layouts"]).items():
-            q, scale = f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale")
-            parts[name] = (layout, Int4Weight(q.to(torch.int32), scale, f.get_tensor(f"{name}.zero"))
-                           if layout == "Q4" else Int8Weight(q, scale))
-        head = (f.get_tensor("lm_head.codes"), f.get_tensor("lm_head.scale")) if "lm_head.codes" in f.keys() else None
-    return parts, head
+    return KeptParts(index), lambda: gguf_head_blocks(index)

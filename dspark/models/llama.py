@@ -100,14 +100,17 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)
 
     @classmethod
-    def for_loading(cls, c: LlamaConfig) -> LlamaModel:
+    def for_loading(cls, c: LlamaConfig, materialize: bool = True) -> LlamaModel:
         """The model with its parameters allocated on CPU but not initialized, for weights about to
-        be loaded: the random init they would replace costs a second or more at start-up."""
+        be loaded: the random init they would replace costs a second or more at start-up.
+        materialize=False leaves them on the meta device, for :meth:`load_hf_state_dict` with
+        ``assign=True`` to take the loaded tensors as they are (no second copy)."""
         with torch.device("meta"):
             net = cls(c)
-        net.to_empty(device="cpu")
-        if c.tie_word_embeddings:  # to_empty gives each module its own tensor
-            net.lm_head.weight = net.embed_tokens.weight
+        if materialize:
+            net.to_empty(device="cpu")
+            if c.tie_word_embeddings:  # to_empty gives each module its own tensor
+                net.lm_head.weight = net.embed_tokens.weight
         net.rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling)  # computed, never loaded
         return net
 
@@ -134,28 +137,35 @@ class LlamaModel(nn.Module):
         whoever needs probabilities casts them (bf16 -> fp32 is exact, so nothing changes)."""
         return self.lm_head(hidden)
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights, fusing q/k/v and gate/up; refuse missing tensors."""
-        own = {}
-        for name, t in sd.items():
-            name = name.removeprefix("model.")
-            own[name] = t
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor], assign: bool = False,
+                           absent: frozenset[str] = frozenset()) -> None:
+        """Load HF-named weights, fusing q/k/v and gate/up; refuse missing tensors. Consumes ``sd``
+        (each part is dropped once fused, so a load never holds the model twice). assign: take the
+        tensors as the parameters (a model from ``for_loading(materialize=False)``). absent: fused
+        linears (``layers.3.mlp.gate_up_proj``) whose weights are not in ``sd`` and stay unloaded."""
+        own = {name.removeprefix("model."): sd.pop(name) for name in list(sd)}
         c = self.config
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
-            for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
-                parts = [own.pop(f"{p}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
-                if any(t is None for t in parts):
-                    raise ValueError(f"checkpoint is missing {p}self_attn.q/k/v_proj.{kind}")
-                own[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
-            gate, up = own.pop(f"{p}mlp.gate_proj.weight", None), own.pop(f"{p}mlp.up_proj.weight", None)
-            if gate is None or up is None:
-                raise ValueError(f"checkpoint is missing {p}mlp.gate_proj/up_proj")
-            own[f"{p}mlp.gate_up_proj.weight"] = torch.cat([gate, up])
+            fused = {"self_attn.qkv_proj": [f"self_attn.{x}_proj" for x in "qkv"],
+                     "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}
+            for name, part_names in fused.items():
+                for kind in ("weight", "bias") if c.qkv_bias and name == "self_attn.qkv_proj" else ("weight",):
+                    if kind == "weight" and p + name in absent:
+                        continue
+                    parts = [own.pop(f"{p}{x}.{kind}", None) for x in part_names]
+                    if any(t is None for t in parts):
+                        raise ValueError(f"checkpoint is missing {p}{'/'.join(part_names)}.{kind}")
+                    own[f"{p}{name}.{kind}"] = torch.cat(parts)
+                    del parts
         if c.tie_word_embeddings:
             own.pop("lm_head.weight", None)
-        missing, unexpected = self.load_state_dict(own, strict=False)
-        missing = [m for m in missing if not (c.tie_word_embeddings and m == "lm_head.weight")]
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=assign)
+        own.clear()
+        if assign and c.tie_word_embeddings:  # assign replaced the embedding the head was tied to
+            self.lm_head.weight = self.embed_tokens.weight
+        missing = [m for m in missing if not (c.tie_word_embeddings and m == "lm_head.weight")
+                   and m.rpartition(".")[0] not in absent]
         unexpected = [u for u in unexpected if "rotary_emb" not in u]
         if missing or unexpected:
             raise ValueError(f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}")

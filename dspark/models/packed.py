@@ -73,7 +73,9 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = True):
         super().__init__()
-        self.row_block = self.ROW_BLOCK if exact and not _amx_tiles() else 1
+        # AMX tiles hold a row's bf16 order; fp16 runs on AVX512-FP16 there, whose order follows M
+        amx_rows = _amx_tiles() and weight.dtype == torch.bfloat16
+        self.row_block = self.ROW_BLOCK if exact and not amx_rows else 1
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         try:
             packed, self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1), True

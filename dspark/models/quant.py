@@ -20,7 +20,7 @@ bits: speculative output stays equal to plain output of the same quantized model
 stays dense; so does the LM head, except where ``cpu_ops.quant()`` has kernels (AMX, or
 AVX512-VNNI with AVX512-BF16, for bf16; AVX2 for float32) and the layers are quantized: there it
 runs as int8 with int8 rows (``Int8Head``, a Q8_0 product as llama.cpp runs it) and keeps its
-dense weight for drafters that read it.
+dense weight for drafters that read it. ``quantize.py`` decides which linear becomes which.
 """
 
 from __future__ import annotations
@@ -33,11 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dspark.config import check_quantization
 from dspark.models import cpu_ops
-from dspark.models.fused import forget_stack
-from dspark.models.llama import Linear, cpu_reduced_precision
-from dspark.models.packed import PackedHead, PackedLinear, RowSplit
+from dspark.models.llama import cpu_reduced_precision
+from dspark.models.packed import PackedLinear, RowSplit
 
 log = logging.getLogger(__name__)
 
@@ -256,122 +254,3 @@ def cpu_packable(weight: torch.Tensor) -> bool:
     """Whether an inference linear here runs ``weight`` cheaper than as it is: a CPU weight in
     bf16/fp16 (pre-packed, or int4/int8), or in the float32 the AVX2 kernels take."""
     return weight.device.type == "cpu" and (cpu_reduced_precision(weight) or weight.dtype == cpu_ops.quant_dtype())
-
-
-# --------------------------------------------------------------------------- applying a mode
-def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    if device.type != "cpu" or mode == "none":
-        return "none"
-    if mode != "auto":
-        return mode
-    # in float32 only the AVX2 kernels: torch's weight-only CPU kernels are several times slower than dense
-    ours = dtype == torch.float32 and cpu_ops.quant_dtype() == torch.float32
-    if not ours and dtype not in (torch.bfloat16, torch.float16):
-        return "none"
-    return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
-
-
-def quantize_model(model: nn.Module, mode: str, file_weights: dict[str, tuple[str, object]] | None = None,
-                   head_blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
-    """Swap the decoder layers' linears of ``model`` (already on its device and dtype) for the
-    kernels ``mode`` asks for, and the LM head on CPU for an int8 one on AMX/VNNI (when the layers are
-    quantized, in bf16) or a pre-packed dense one. ``file_weights`` maps a fused linear's name
-    (``layers.0.mlp.gate_up_proj``) to its GGUF parts, as returned by
-    :func:`dspark.models.gguf_blocks.gguf_linear_parts`; ``head_blocks`` are the file's own Q8_0
-    head codes and scales (else the head is quantized at load). Returns a summary: kernel -> count
-    and bytes."""
-    check_quantization(mode)
-    dev = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    if mode in ("int4", "int8") and dev.type != "cpu":
-        log.warning("--quantization %s has no %s kernel yet: the layers stay dense %s", mode, dev.type, dtype)
-    summary: dict[str, list[int]] = {}
-    torch_kernels = False  # a layer on torch's weight-only kernels (several times slower than dense in fp32)
-    file_weights = file_weights or {}
-    for i, layer in enumerate(model.layers):
-        for path in _LAYER_LINEARS:
-            parent_name, attr = path.split(".")
-            parent = getattr(layer, parent_name)
-            lin = getattr(parent, attr)
-            full = f"layers.{i}.{path}"
-            parts = file_weights.get(full)
-            kind = _resolve(mode, parts[0] if parts else None, dev, dtype)
-            new = _build(lin, kind, parts, dtype, chosen=mode != "auto")
-            setattr(parent, attr, new)
-            torch_kernels |= isinstance(new, Int8Linear) or (isinstance(new, Int4Linear) and new.amx is None)
-            stats = summary.setdefault(type(new).__name__, [0, 0])
-            stats[0] += 1
-            stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
-            stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
-    forget_stack(model.layers)
-    if torch_kernels and dtype == torch.float32:
-        log.warning("--quantization %s in float32 runs torch's slow weight-only path; bf16 is the fast one", mode)
-    if cpu_packable(model.lm_head.weight):
-        quantized = bool({"Int4Linear", "Int8Linear", "Q8Linear"} & set(summary))
-        model.lm_head = _cpu_head(model.lm_head, quantized=quantized, head_blocks=head_blocks)
-        log.info("LM head: %s", type(model.lm_head).__name__)
-    return {k: {"count": c, "bytes": b} for k, (c, b) in summary.items()}
-
-
-def _cpu_head(head: nn.Module, quantized: bool, head_blocks) -> nn.Module:  # noqa: ANN001
-    w = head.weight
-    ours = quantized and w.dtype == cpu_ops.quant_dtype() and getattr(head, "bias", None) is None
-    amx = cpu_ops.quant() if ours else None
-    if amx is None or w.shape[0] % 32 or w.shape[1] % GROUP:
-        return PackedHead(head) if cpu_reduced_precision(w) else head
-    codes, scale = head_blocks if head_blocks is not None else quantize_q8_0(w.detach())
-    return Int8Head(head, codes, scale, amx)
-
-
-def _build(lin: Linear, kind: str, parts, dtype: torch.dtype, chosen: bool = False) -> nn.Module:
-    """lin as the kernel `kind` (chosen: the user asked for it rather than `auto`)."""
-    cpu_packable = lin.weight.device.type == "cpu" and cpu_reduced_precision(lin.weight)
-    if kind == "int4" and lin.in_features % GROUP:
-        log.warning("a %d-wide input does not split into int4 groups of %d: that layer stays dense",
-                    lin.in_features, GROUP)
-        kind = "none"
-    if kind == "none":
-        return PackedLinear(lin.weight, lin.bias) if cpu_packable else lin
-    dense_copy = cpu_packable  # prompt rows need a GEMM; the weight-only kernels are row by row
-    if parts is not None and (kind == "int4") == (parts[0] == "Q4"):
-        w = parts[1]  # the file's own codes, fused along the output dimension
-        if kind == "int8":  # Q8_0 blocks: ours take them as they are, torch's one scale per row
-            amx = cpu_ops.quant() if dtype == cpu_ops.quant_dtype() and lin.weight.device.type == "cpu" else None
-            if amx is not None and w.q.shape[0] % 32 == 0:
-                return Q8Linear(w.q, w.scale, amx, lin.bias, int8_rows=True, dtype=dtype, prefill_dense=dense_copy)
-            if dtype == torch.float32 and not chosen:  # torch's int8 kernel is slower than dense there
-                return lin
-            w = quantize_int8(w.dequantize())
-    else:
-        w = (quantize_int4 if kind == "int4" else quantize_int8)(lin.weight.detach().float())
-    return (Int4Linear if kind == "int4" else Int8Linear)(w, lin.bias, dtype, dense_copy)
-
-
-def quantize_target(model: nn.Module, mode: str, model_arg: str | None, folder: str) -> dict:
-    """:func:`quantize_model` for a target loaded from ``model_arg`` (a ``--model`` value) through
-    its HF folder: when that is a GGUF's converted copy and the layers may stay quantized on CPU,
-    the file's own blocks are read back (cached in that folder)."""
-    from dspark.models.gguf_blocks import kept_blocks
-    from dspark.models.loader import source_gguf
-
-    check_quantization(mode)
-    w = next(model.parameters())
-    keeps_blocks = any(_resolve(mode, kind, w.device, w.dtype) != "none" for kind in ("Q4", "Q8_0"))
-    gguf = source_gguf(model_arg) if keeps_blocks else None
-    parts, head = kept_blocks(gguf, folder) if gguf else (None, None)
-    summary = quantize_model(model, mode, parts, head)
-    log.info("decoder-layer linears (--quantization %s): %s", mode, summary)
-    _return_freed_heap()
-    return summary
-
-
-def _return_freed_heap() -> None:
-    """Loading and quantizing free a few hundred MB of float32 copies that glibc keeps mapped;
-    hand them back to the OS so the server's resident set shows what it holds."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
-        pass

@@ -91,13 +91,11 @@ class _EngineGen:
 
 class _HFGen:
     def __init__(self, model, device, dtype, s: GenSettings):
-        from transformers import AutoModelForCausalLM
-
-        from dspark.models.loader import load_tokenizer, resolve_model_folder
+        from dspark.models.loader import load_tokenizer, load_transformers_model, resolve_model_folder
 
         folder = resolve_model_folder(model)
         self.tok = load_tokenizer(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).to(device).eval()
+        self.model = load_transformers_model(folder, dtype).to(device).eval()
         self.device = device
         eos = self.model.generation_config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or [])) | {self.tok.eos_token_id}

@@ -1,0 +1,192 @@
+"""Applying ``--quantization`` to a target: which kernel each decoder-layer linear becomes.
+
+A GGUF's layers that stay in the file's own blocks are planned before the weights load
+(:func:`plan_file_blocks`), so the loader never makes their dense weights: each such linear is
+built straight from its blocks, read from the file one linear at a time. The LM head on CPU
+becomes an int8 one where the layers are quantized (``Int8Head``) or a pre-packed dense one.
+
+Prompt rows take the same kernels as decoded rows unless ``prefill_dense`` keeps a pre-packed
+dense copy of every quantized linear for them (faster prompts at 2 bytes a weight more resident
+memory: docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.config import check_quantization
+from dspark.models import cpu_ops
+from dspark.models.fused import forget_stack
+from dspark.models.llama import Linear
+from dspark.models.packed import PackedHead, PackedLinear
+from dspark.models.quant import (
+    GROUP,
+    Int4Linear,
+    Int4Weight,
+    Int8Head,
+    Int8Linear,
+    Int8Weight,
+    Q8Linear,
+    cpu_packable,
+    quantize_int4,
+    quantize_int8,
+    quantize_q8_0,
+)
+
+log = logging.getLogger(__name__)
+
+_LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+Parts = Mapping[str, tuple[str, Int4Weight | Int8Weight]]
+
+
+@dataclass
+class FileBlocks:
+    """A GGUF's kept layer linears (fused name -> (layout, blocks), read on lookup), the ones of
+    them built without a dense weight, and a reader of its head's Q8_0 blocks."""
+
+    parts: Parts
+    direct: frozenset[str]
+    head: Callable[[], tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    if device.type != "cpu" or mode == "none":
+        return "none"
+    if mode != "auto":
+        return mode
+    # in float32 only the AVX2 kernels: torch's weight-only CPU kernels are several times slower than dense
+    ours = dtype == torch.float32 and cpu_ops.quant_dtype() == torch.float32
+    if not ours and dtype not in (torch.bfloat16, torch.float16):
+        return "none"
+    return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
+
+
+def _ours(dtype: torch.dtype, device: torch.device):  # noqa: ANN202 - the compiled kernels or None
+    return cpu_ops.quant() if device.type == "cpu" and dtype == cpu_ops.quant_dtype() else None
+
+
+def _from_blocks(mode: str, layout: str, rows: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a linear the file holds as ``layout`` blocks is built from them alone (no dense weight)."""
+    kind = _resolve(mode, layout, device, dtype)
+    if kind == "int4":
+        return layout == "Q4"
+    if kind != "int8" or layout != "Q8_0":
+        return False
+    if _ours(dtype, device) is not None and rows % 32 == 0:
+        return True  # Q8Linear
+    return not (dtype == torch.float32 and mode == "auto")  # else dense: torch's int8 is slower there
+
+
+def plan_file_blocks(mode: str, folder: str, device: torch.device, dtype: torch.dtype
+                     ) -> tuple[FileBlocks | None, frozenset[str]]:
+    """(the file's blocks, the HF weight names the loader must not make dense) for a target in
+    ``folder``: nothing for a folder of safetensors or where ``mode`` keeps no file blocks."""
+    from dspark.models.gguf_blocks import kept_blocks
+
+    check_quantization(mode)
+    if all(_resolve(mode, kind, device, dtype) == "none" for kind in ("Q4", "Q8_0")):
+        return None, frozenset()
+    kept = kept_blocks(folder)
+    if kept is None:
+        return None, frozenset()
+    parts, head = kept
+    direct = frozenset(n for n in parts if _from_blocks(mode, parts.layouts[n], parts.rows(n), device, dtype))
+    skip = frozenset(w for n in direct for w in parts.hf_weights(n))
+    return FileBlocks(parts, direct, head), skip
+
+
+def quantize_model(model: nn.Module, mode: str, blocks: FileBlocks | None = None, prefill_dense: bool = False
+                   ) -> dict:
+    """Swap the decoder layers' linears of ``model`` (its other weights on their device and dtype;
+    the linears in ``blocks.direct`` still without weights) for the kernels ``mode`` asks for, and
+    the LM head on CPU for an int8 one (when the layers are quantized and our kernels take the
+    dtype) or a pre-packed dense one. Returns a summary: kernel -> count and bytes."""
+    check_quantization(mode)
+    w0 = model.embed_tokens.weight
+    dev, dtype = w0.device, w0.dtype
+    if mode in ("int4", "int8") and dev.type != "cpu":
+        log.warning("--quantization %s has no %s kernel yet: the layers stay dense %s", mode, dev.type, dtype)
+    summary: dict[str, list[int]] = {}
+    torch_kernels = False  # a layer on torch's weight-only kernels (several times slower than dense in fp32)
+    for i, layer in enumerate(model.layers):
+        for path in _LAYER_LINEARS:
+            parent_name, attr = path.split(".")
+            parent = getattr(layer, parent_name)
+            full = f"layers.{i}.{path}"
+            layout = blocks.parts.layouts.get(full) if blocks else None  # type: ignore[attr-defined]
+            kind = _resolve(mode, layout, dev, dtype)
+            parts = blocks.parts[full] if blocks and full in blocks.direct else None
+            new = _build(getattr(parent, attr), kind, parts, dev, dtype, mode, prefill_dense)
+            setattr(parent, attr, new)
+            torch_kernels |= isinstance(new, Int8Linear) or (isinstance(new, Int4Linear) and new.amx is None)
+            stats = summary.setdefault(type(new).__name__, [0, 0])
+            stats[0] += 1
+            stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
+            stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
+    forget_stack(model.layers)
+    if torch_kernels and dtype == torch.float32:
+        log.warning("--quantization %s in float32 runs torch's slow weight-only path; bf16 is the fast one", mode)
+    if cpu_packable(model.lm_head.weight):
+        quantized = bool({"Int4Linear", "Int8Linear", "Q8Linear"} & set(summary))
+        model.lm_head = _cpu_head(model.lm_head, quantized, blocks.head if blocks else None)
+        log.info("LM head: %s", type(model.lm_head).__name__)
+    return {k: {"count": c, "bytes": b} for k, (c, b) in summary.items()}
+
+
+def _cpu_head(head: nn.Module, quantized: bool, head_blocks) -> nn.Module:  # noqa: ANN001
+    w = head.weight
+    amx = _ours(w.dtype, w.device) if quantized and getattr(head, "bias", None) is None else None
+    if amx is None or w.shape[0] % 32 or w.shape[1] % GROUP:
+        return PackedHead(head) if w.dtype in (torch.bfloat16, torch.float16) else head
+    own = head_blocks() if head_blocks is not None else None
+    codes, scale = own if own is not None else quantize_q8_0(w.detach())
+    return Int8Head(head, codes, scale, amx)
+
+
+def _build(lin: Linear, kind: str, parts: tuple[str, Int4Weight | Int8Weight] | None, device: torch.device,
+           dtype: torch.dtype, mode: str, prefill_dense: bool) -> nn.Module:
+    """lin as the kernel ``kind``, from the file's blocks ``parts`` where given (lin has no weight
+    then), else from lin's dense weight."""
+    packable = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    if kind == "int4" and lin.in_features % GROUP:
+        log.warning("a %d-wide input does not split into int4 groups of %d: that layer stays dense",
+                    lin.in_features, GROUP)
+        kind = "none"
+    if kind == "none":
+        return PackedLinear(lin.weight, lin.bias) if packable else lin
+    dense_copy = prefill_dense and packable  # prompt rows in one GEMM, at 2 bytes a weight
+    if parts is not None:
+        w = parts[1]  # the file's own codes, fused along the output dimension
+        if kind == "int8":  # Q8_0 blocks: ours take them as they are, torch's one scale per row
+            amx = _ours(dtype, device)
+            if amx is not None and w.q.shape[0] % 32 == 0:
+                return Q8Linear(w.q, w.scale, amx, lin.bias, int8_rows=True, dtype=dtype, prefill_dense=dense_copy)
+            w = quantize_int8(w.dequantize())
+    else:
+        if kind == "int8" and dtype == torch.float32 and mode == "auto":
+            return lin  # a Q8_0 file on torch's int8 kernel: slower than dense in float32
+        w = (quantize_int4 if kind == "int4" else quantize_int8)(lin.weight.detach().float())
+    return (Int4Linear if kind == "int4" else Int8Linear)(w, lin.bias, dtype, dense_copy)
+
+
+def log_summary(mode: str, summary: dict) -> None:
+    """One line naming the kernels the layers got, then the freed float copies handed back."""
+    log.info("decoder-layer linears (--quantization %s): %s", mode, summary)
+    _return_freed_heap()
+
+
+def _return_freed_heap() -> None:
+    """Loading and quantizing free a few hundred MB of float32 copies that glibc keeps mapped;
+    hand them back to the OS so the server's resident set shows what it holds."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass

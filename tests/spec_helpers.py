@@ -277,3 +277,25 @@ def save_tiny_eagle3(folder: str | Path, target_folder: str, draft_vocab: list[i
         head.d2t.copy_(torch.tensor(draft_vocab) - torch.arange(len(draft_vocab)))
     save_eagle3(head, folder)
     return str(folder)
+
+
+def require_kernels(built: object, quant: bool = False) -> None:
+    """At a kernel test module's import: skip the module, saying why, where the C++ kernels cannot
+    be built (DSPARK_CPU_OPS=0, no compiler or ninja, or for quant=True a CPU without AMX,
+    VNNI+BF16 or AVX2); fail its collection with the compiler's output where they could have been
+    but `built` (cpu_ops.load() or .quant()) is None: a broken kernel build must not pass as skips."""
+    import pytest
+
+    from dspark.models import cpu_ops
+
+    if built is not None:
+        return
+    if not cpu_ops.enabled():
+        pytest.skip("DSPARK_CPU_OPS=0: the fused CPU kernels are switched off", allow_module_level=True)
+    missing = cpu_ops.toolchain_missing()
+    if missing is not None:
+        pytest.skip(f"the C++ kernels cannot be built here: {missing}", allow_module_level=True)
+    if quant and not cpu_ops.quant_expected():
+        pytest.skip("no AMX, AVX512-VNNI+BF16 or AVX2 on this CPU: no int4/int8 kernels", allow_module_level=True)
+    errors = "\n\n".join(f"{name}: {err}" for name, err in cpu_ops.build_errors.items()) or "(no error kept)"
+    pytest.fail(f"a C++ compiler and ninja are here, yet the kernels did not build:\n{errors}", pytrace=False)

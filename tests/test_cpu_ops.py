@@ -4,11 +4,13 @@ fused decoder stack against the modules' own forward, and the pure-torch fallbac
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from spec_helpers import require_kernels
 
 from dspark.config import EngineConfig, SpecConfig
 from dspark.engine.attention import AttnBatch, TorchAttention
@@ -17,7 +19,7 @@ from dspark.models import cpu_ops
 from dspark.models.layers import apply_rotary
 
 ops = cpu_ops.load()
-pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be built here")
+require_kernels(ops)  # skipped without build tools; a failed build with them fails, with its output
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
 
 
@@ -123,6 +125,28 @@ def test_fused_stack_matches_the_modules(folders, dtype, monkeypatch):
     for a, b in zip(*outs):
         _close(a.logits, b.logits, tol)
         _close(a.feats, b.feats, tol)
+
+
+def test_a_failed_build_logs_the_compilers_output(tmp_path, monkeypatch, caplog):
+    """With a compiler present, a source that does not compile is an error that shows the
+    compiler's message (kept for the tests too), then the fallback; without one, a warning."""
+    src = tmp_path / "broken.cpp"
+    src.write_text("int dspark_probe() { return undeclared_name_xyz; }\n")
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_ops, "build_errors", {})
+    with caplog.at_level(logging.WARNING, logger=cpu_ops.__name__):
+        assert cpu_ops._compile("dspark_broken_probe", [src], []) is None
+    assert "undeclared_name_xyz" in cpu_ops.build_errors["dspark_broken_probe"]
+    [rec] = [r for r in caplog.records if "dspark_broken_probe" in r.getMessage()]
+    assert rec.levelno == logging.ERROR and "undeclared_name_xyz" in rec.getMessage()
+
+    caplog.clear()
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_ops.toolchain_missing() == f"no C++ compiler ({tmp_path / 'no-such-compiler'}) on PATH"
+    with caplog.at_level(logging.WARNING, logger=cpu_ops.__name__):
+        assert cpu_ops._compile("dspark_broken_probe2", [src], []) is None
+    [rec] = [r for r in caplog.records if "dspark_broken_probe2" in r.getMessage()]
+    assert rec.levelno == logging.WARNING and "no C++ compiler" in rec.getMessage()
 
 
 def test_disabled_kernels_fall_back(monkeypatch):

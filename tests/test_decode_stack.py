@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import alphabet_prompts, make_engine, run_requests
+from spec_helpers import alphabet_prompts, make_engine, require_kernels, run_requests
 
 from dspark.config import SamplingParams
 from dspark.models import cpu_ops, fused
 from dspark.models.packed import pack_linears
 
-pytestmark = [pytest.mark.usefixtures("single_thread"),
-              pytest.mark.skipif(cpu_ops.quant() is None, reason="no AMX, VNNI+BF16 or AVX2 here (or no compiler)")]
+pytestmark = pytest.mark.usefixtures("single_thread")
+require_kernels(cpu_ops.quant(), quant=True)  # a failed build where it could succeed fails, with its output
 DT_NAME = str(cpu_ops.quant_dtype()).removeprefix("torch.")
 
 

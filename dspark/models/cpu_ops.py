@@ -23,10 +23,15 @@ import functools
 import logging
 import os
 import pathlib
+import shutil
 
 import torch
 
 log = logging.getLogger(__name__)
+
+# extension name -> why its build failed (torch's message, which holds the compiler's output):
+# a failure with a toolchain present is a bug, and the tests show this instead of skipping
+build_errors: dict[str, str] = {}
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "module.cpp", CSRC / "cpu_ops.cpp"]
@@ -42,7 +47,10 @@ def enabled() -> bool:
     return os.environ.get("DSPARK_CPU_OPS", "1") != "0"
 
 
-def _compile(name: str, sources: list[pathlib.Path], flags: list[str]):  # noqa: ANN202 - the compiled module
+def _compile(name: str, sources: list[pathlib.Path], flags: list[str], optional: bool = False):  # noqa: ANN202
+    """The compiled module, or None (logged with the compiler's output, kept in build_errors).
+    optional: a build with a fallback of its own (AMX: an older compiler lacks -mamx-*), whose
+    failure is a warning rather than an error."""
     from torch.utils import cpp_extension
 
     from dspark.models.loader import cache_dir
@@ -55,9 +63,28 @@ def _compile(name: str, sources: list[pathlib.Path], flags: list[str]):  # noqa:
         return cpp_extension.load(name=name, sources=[str(s) for s in sources],
                                   extra_cflags=["-O3", "-fopenmp", *flags], extra_include_paths=[str(CSRC)],
                                   extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-    except Exception as e:  # no compiler, no ninja, a read-only cache: fall back, say why
-        log.warning("%s unavailable (%s); torch's own kernels run instead", name, e)
+    except Exception as e:  # fall back to torch's kernels, but never quietly
+        build_errors[name] = str(e)
+        missing = toolchain_missing()
+        if missing is not None:  # expected on a machine without build tools: one line is enough
+            log.warning("%s unavailable (%s); torch's own kernels run instead", name, missing)
+        else:  # a compiler is there, so this is a broken source, flag or cache: show its output
+            level = logging.WARNING if optional else logging.ERROR
+            log.log(level, "%s failed to build in %s; torch's own (slower) kernels run instead:\n%s", name, build, e)
         return None
+
+
+def toolchain_missing() -> str | None:
+    """Why no kernels can be built on this machine (no C++ compiler, or no ninja for torch's JIT
+    loader), or None: then a failed build is a bug, not an expected fallback."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")  # what torch's loader compiles with
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx}) on PATH"
+    if not cpp_extension.is_ninja_available():
+        return "no ninja on PATH"
+    return None
 
 
 @functools.cache
@@ -94,7 +121,7 @@ def _build_quant(tiles: bool):  # noqa: ANN202 - the compiled module
     flags = _cpu_flags()
     if tiles and _AMX_FLAGS <= flags:
         mod = _compile("dspark_cpu_ops_amx", AMX_SOURCES,
-                       [*_QUANT_FLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DDSPARK_AMX"])
+                       [*_QUANT_FLAGS, "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DDSPARK_AMX"], optional=True)
         if mod is not None and mod.enable():
             return mod
         log.warning("no AMX build here (no compiler support, or the kernel refused the AMX registers); "
@@ -104,6 +131,12 @@ def _build_quant(tiles: bool):  # noqa: ANN202 - the compiled module
     if _AVX2_FLAGS <= flags:  # also AVX512 CPUs without BF16 (Skylake-SP, Cascade Lake): float32 models there
         return _compile("dspark_cpu_ops_avx2q", AVX2_SOURCES, [*_ARCH_FLAGS["AVX2"], "-mf16c", "-DDSPARK_QUANT"])
     return None
+
+
+def quant_expected() -> bool:
+    """Whether this CPU's flags call for a :func:`quant` build (AMX, AVX512-VNNI with BF16, or AVX2)."""
+    flags = _cpu_flags()
+    return _VNNI_FLAGS <= flags or _AVX2_FLAGS <= flags
 
 
 def quant():  # noqa: ANN201 - the compiled module or None

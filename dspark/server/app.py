@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,10 +27,17 @@ from dspark import __version__
 from dspark.config import EngineConfig, SpecConfig
 from dspark.engine.engine import Engine
 from dspark.scheduler.scheduler import AsyncEngine
+from dspark.server.guard import REQUEST_ID_HEADER, RequestGuard
 from dspark.server.metrics import ServerMetrics
-from dspark.server.protocol import APIError, error_body
+from dspark.server.openapi import error_responses, install_openapi
+from dspark.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from dspark.server.serving import add_generation_routes
-from dspark.server.tokenization import add_tokenization_routes
+from dspark.server.tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    add_tokenization_routes,
+)
 from dspark.server.tool_parsers import HermesParser, Llama3JsonParser, make_parser
 
 logger = logging.getLogger("dspark.server")
@@ -181,9 +188,10 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
 
     app = FastAPI(title="dspark", version=__version__, lifespan=lifespan)
     app.state.dspark = state
+    app.add_middleware(RequestGuard)  # any other exception: a JSON 500 (inside CORS: added first)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -198,12 +206,7 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
         err = APIError(e.status_code, str(e.detail))
         return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
-
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "not ready: {\"status\": loading | failed | shutting down}"}})
     async def health() -> Response:
         status = state.status
         return JSONResponse({"status": "ok" if status == "ready" else status},
@@ -213,7 +216,7 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def metrics() -> Response:
         body = state.metrics.render() if state.metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
@@ -224,13 +227,14 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
         return {"id": name, "object": "model", "created": state.created, "owned_by": "dspark",
                 "root": eng.model_name, "max_model_len": eng.max_model_len, "speculation": spec}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401, 500, 503))
     async def models(request: Request) -> dict:
         state.check_auth(request)
         state.require_ready()
         return {"object": "list", "data": [model_card(name) for name in state.names]}
 
-    @app.get("/v1/models/{name:path}")  # OpenAI's retrieve (vLLM has none); a name may hold "/"
+    # OpenAI's retrieve (vLLM has none); a name may hold "/"
+    @app.get("/v1/models/{name:path}", responses=error_responses(401, 404, 500, 503))
     async def model(name: str, request: Request) -> dict:
         state.check_auth(request)
         state.require_ready()
@@ -238,4 +242,6 @@ def create_app(engine_or_config: Engine | EngineConfig | None = None, *,
 
     add_generation_routes(app, state)
     add_tokenization_routes(app, state)
+    install_openapi(app, (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                          DetokenizeRequest))
     return app

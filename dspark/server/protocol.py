@@ -7,11 +7,9 @@ search, functions, ...) are rejected when set to anything but their default.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
-from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator
 
 from dspark.config import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 from dspark.engine.prompts import ChatPrompt
@@ -27,6 +25,12 @@ from dspark.server.tools import (
 )
 
 MAX_N = 64  # choices per request, each an engine request of its own
+_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# what CompletionRequest.prompt takes (validated by its field validator; this documents it)
+PROMPT_SCHEMA = {"title": "Prompt", "description": "a string, token ids, or a non-empty list of either (a batch)",
+                 "anyOf": [_TEXT, _TOKEN_IDS, {"type": "array", "items": {"anyOf": [_TEXT, _TOKEN_IDS]},
+                                               "minItems": 1}]}
 
 # OpenAI fields we do not implement, with the values that mean "off" (a request model that
 # declares one of them implements it: logprobs for both, top_logprobs for chat)
@@ -159,7 +163,7 @@ class _Common(StrictModel):
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
-    prompt: Any  # validated into a list of prompts, each a string or token ids
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]  # validated into a list of strings or token ids
     max_tokens: int | None = Field(16, ge=1)  # vLLM's default; null: up to the context
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
@@ -205,6 +209,10 @@ class ContentPart(StrictModel):
 class ChatMessage(StrictModel):
     """One chat message; content as a string or a list of text parts."""
 
+    # the schema says what _content checks: only an assistant's message may leave content out
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"anyOf": [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = Field(None, validate_default=True)
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
@@ -294,15 +302,6 @@ class ChatCompletionRequest(ChatTemplateFields, _Common):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-async def read_json(request: Request) -> Any:
-    """A request's JSON body; APIError(400) when it is not JSON."""
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
 def parse_request(cls: type[StrictModel], body: Any) -> StrictModel:

@@ -18,14 +18,16 @@ from starlette.background import BackgroundTask
 
 from dspark.engine.sequence import RequestOutput
 from dspark.scheduler.scheduler import EngineError, QueueFullError, RequestAborted, RequestStream, UnavailableError
+from dspark.server.body import read_json
 from dspark.server.choices import Choice, ChoiceRenderer
+from dspark.server.guard import request_id, safe_text
+from dspark.server.openapi import generation_docs
 from dspark.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     SpeculationOptions,
     parse_request,
-    read_json,
 )
 from dspark.server.responses import usage, usage_chunk
 from dspark.server.tools import AUTO_NEEDS_PARSER
@@ -248,33 +250,26 @@ class _Generation:
         except RequestAborted as e:
             yield _sse(APIError(503, str(e)).body())
         except Exception as e:  # EngineError, or a bug: tell the client inside the stream
-            if not isinstance(e, EngineError):
-                logger.exception("stream %s failed", self.rid)
-            yield _sse(APIError(500, str(e) if isinstance(e, EngineError) else f"internal error: {e}").body())
+            if isinstance(e, EngineError):
+                yield _sse(APIError(500, safe_text(str(e))).body())
+            else:
+                rid = request_id(self.request)
+                logger.exception("request %s (stream %s) failed", rid, self.rid)
+                yield _sse(APIError(500, safe_text(f"internal error (request id {rid}): {type(e).__name__}: {e}"))
+                           .body())
         finally:
             self._abort()
         yield "data: [DONE]\n\n"
 
 
 def add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    """Register POST /v1/completions and /v1/chat/completions on app."""
+    """Register POST /v1/completions and /v1/chat/completions on app. An exception other than an
+    APIError becomes a JSON 500 in guard.RequestGuard (inside CORS, logged once)."""
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **generation_docs(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await _answer(_Generation(state, request, chat=False))
+        return await _Generation(state, request, chat=False).run()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **generation_docs(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await _answer(_Generation(state, request, chat=True))
-
-
-async def _answer(gen: _Generation) -> Response:
-    # A bug becomes an APIError here, inside the CORS middleware: Starlette's catch-all handler
-    # answers outside it (a browser would see a CORS failure) and logs the traceback twice.
-    try:
-        return await gen.run()
-    except APIError:
-        raise
-    except Exception as e:
-        logger.exception("request %s failed", gen.rid)
-        raise APIError(500, f"internal error: {type(e).__name__}: {e}") from None
+        return await _Generation(state, request, chat=True).run()

@@ -13,7 +13,9 @@ from fastapi import FastAPI, Request
 from pydantic import Field
 
 from dspark.engine.prompts import PromptError, render_chat
-from dspark.server.protocol import APIError, ChatTemplateFields, StrictModel, parse_request, read_json
+from dspark.server.body import read_json
+from dspark.server.openapi import DetokenizeResponse, TokenizeResponse, tokenization_docs
+from dspark.server.protocol import APIError, ChatTemplateFields, StrictModel, parse_request
 
 if TYPE_CHECKING:
     from dspark.server.app import ServerState
@@ -82,10 +84,10 @@ def add_tokenization_routes(app: FastAPI, state: ServerState) -> None:
         return req
 
     # off the event loop: a long prompt's tokenization would hold up every open stream
-    @app.post("/tokenize")
+    @app.post("/tokenize", **tokenization_docs(TokenizeResponse, TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(request: Request) -> dict:
         return await asyncio.to_thread(_tokenize, state, await _parse(request, TokenizeCompletionRequest))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **tokenization_docs(DetokenizeResponse, DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         return await asyncio.to_thread(_detokenize, state, await _parse(request, DetokenizeRequest))

@@ -260,6 +260,7 @@ class EngineConfig:
     model: str | None = None  # HF folder or .gguf; None: the default SmolLM2
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     quantization: str = "auto"  # decoder-layer weights: auto | none | int8 | int4 (models/quant.py)
+    prefill_dense_copy: bool = False  # quantized linears keep a dense copy for prompt rows (models/quantize.py)
     device: str = "auto"
     attention_backend: str = "auto"  # auto | torch | flashinfer
     page_size: int = 16

@@ -310,9 +310,12 @@ def test_prompt_rows_take_the_dense_copy(bits: int) -> None:
     torch.testing.assert_close(y[3:43].float(), lin(x[3:43]).float(), atol=0.05 * y.abs().max().item(), rtol=0)
 
 
-def test_speculative_equals_plain_with_prompts_beside_decodes(folders, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("copy", [False, True], ids=["kernel", "dense-copy"])
+def test_speculative_equals_plain_with_prompts_beside_decodes(folders, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                                              copy: bool) -> None:
     """bf16 int4 target, a small token budget: later prompts are prefilled in chunks beside
-    requests already decoding or verifying; outputs still equal plain decoding's."""
+    requests already decoding or verifying (through the int4 kernel, or the dense copy); outputs
+    still equal plain decoding's."""
     from dspark.models.packed import RowSplit
 
     mixed = []
@@ -325,8 +328,10 @@ def test_speculative_equals_plain_with_prompts_beside_decodes(folders, monkeypat
     monkeypatch.setattr(RowSplit, "of", classmethod(of))
     prompts = alphabet_prompts([15, 24, 33, 40, 47, 18], seed=5)
     sp = SamplingParams(temperature=0.0, max_tokens=24)
-    kw = dict(quantization="int4", dtype="bfloat16", max_num_batched_tokens=32)
-    ref = run_requests(make_engine(folders["target"], "none", **kw), [(p, sp, None) for p in prompts])
+    kw = dict(quantization="int4", dtype="bfloat16", max_num_batched_tokens=32, prefill_dense_copy=copy)
+    plain = make_engine(folders["target"], "none", **kw)
+    assert (plain.model.layers[0].mlp.down_proj.prefill is not None) == copy
+    ref = run_requests(plain, [(p, sp, None) for p in prompts])
     spec = make_engine(folders["target"], folders["dspark"], **kw)
     outs = run_requests(spec, [(p, sp, None) for p in prompts])
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

@@ -59,7 +59,8 @@ class Engine:
             self.workers, self.model, kv, self.attn, vocab = start_tensor_parallel(
                 config, self.model_path, self.device, self.dtype, self.kv_pages)
         else:
-            self.model, self.model_path = load_model(config.model, self.device, self.dtype, config.quantization)
+            self.model, self.model_path = load_model(config.model, self.device, self.dtype, config.quantization,
+                                                         config.prefill_dense_copy)
             mc = self.model.config
             kv = KVCache(mc.num_hidden_layers, self.kv_pages, page_size, mc.num_key_value_heads,
                          mc.head_dim, self.dtype, self.device)

@@ -98,12 +98,22 @@ def test_tokenizer_matches_transformers_gguf(smol: tuple[str, str]) -> None:
     assert "<|im_start|>user\nhi<|im_end|>" in ids and ids.endswith("<|im_start|>assistant\n")
 
 
-def test_second_resolve_is_fast(smol: tuple[str, str]) -> None:
+def test_second_resolve_is_a_cache_hit(smol: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen through what a hit must not do (convert, rewrite the folder), not through a clock."""
     path, folder = smol
-    t0 = time.perf_counter()
+
+    def stamps() -> dict[str, int]:
+        return {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
+
+    before = stamps()
+
+    def converted_again(*args: object) -> None:
+        raise AssertionError("the converted folder was not reused: converting again")
+
+    monkeypatch.setattr(loader, "_convert", converted_again)
     assert loader.resolve_model_folder(path) == folder
     assert loader.resolve_model_folder(folder) == folder  # a converted folder is itself a valid model folder
-    assert time.perf_counter() - t0 < 0.5
+    assert stamps() == before  # nothing in it rewritten
 
 
 def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
@@ -259,6 +269,16 @@ def test_changed_gguf_is_reconverted_and_races_are_safe(tmp_path, monkeypatch: p
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     src = tmp_path / "m.gguf"
     _write_gguf(src, "qwen2", _tiny("qwen2"))
+    # both threads convert, then wait for each other before renaming into place: the race is
+    # certain, not left to scheduling (unhindered, the first finishes before the second starts)
+    met = threading.Barrier(2)
+    convert = loader._convert
+
+    def convert_then_meet(gguf_path, out) -> None:  # noqa: ANN001
+        convert(gguf_path, out)
+        met.wait(timeout=120)
+
+    monkeypatch.setattr(loader, "_convert", convert_then_meet)
     results: list[str] = []
     threads = [threading.Thread(target=lambda: results.append(loader.resolve_model_folder(str(src))))
                for _ in range(2)]
@@ -266,7 +286,9 @@ def test_changed_gguf_is_reconverted_and_races_are_safe(tmp_path, monkeypatch: p
         t.start()
     for t in threads:
         t.join()
-    assert len(results) == 2 and results[0] == results[1]
+    assert met.n_waiting == 0 and not met.broken  # both converted and renamed at the same time
+    assert len(results) == 2 and results[0] == results[1]  # the loser of the rename took the winner's folder
+    monkeypatch.setattr(loader, "_convert", convert)  # one thread from here: nobody to meet
     assert os.listdir(tmp_path / "cache") == [os.path.basename(results[0])]  # no temp folders left behind
     _write_gguf(src, "qwen2", _tiny("qwen2", intermediate_size=128))
     os.utime(src, ns=(time.time_ns(), time.time_ns() + 10**9))

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from spec_helpers import alphabet_prompts, assets, make_engine, run_requests
+from spec_helpers import ALPHABET, alphabet_prompts, assets, follow, make_engine, run_requests
 
 from dspark.config import SamplingParams, SpecConfig
 from dspark.engine.controller import VerifyLengthController
@@ -24,9 +24,41 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 
 
+def save_agreeing_eagle3(folder, target_folder: str, draft_vocab: list[int]) -> str:  # noqa: ANN001
+    """An EAGLE-3 head built to agree with the predictable target at its first draft position.
+    fc passes the captured layer-0 output (mostly the embedding of token i) through; the layer
+    is zeroed, so the output is that hidden state; the LM head's row of f(f(t)) points along t's
+    embedding: from position i it drafts f(f(x_i)), token i + 2 where the target follows f twice.
+    A head fed the wrong position's features or the wrong next token drafts about 1% right
+    (f(x_i) instead: measured), this one about a third at its first position."""
+    from safetensors.torch import load_file
+
+    from dspark.models.drafters.eagle3 import Eagle3Config, Eagle3Head, eagle3_hf_config, save_eagle3
+    from dspark.models.llama import LlamaConfig
+    from dspark.models.loader import load_config
+
+    tc = LlamaConfig.from_hf(load_config(target_folder))
+    emb = load_file(f"{target_folder}/model.safetensors")["model.embed_tokens.weight"]
+    head = Eagle3Head(Eagle3Config.from_hf(eagle3_hf_config(tc, len(draft_vocab), 96), tc))
+    H = tc.hidden_size
+    layer0 = list(head.config.capture_layers).index(0)  # where hidden_states[1] sits in fc's input
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("proj.weight") or name.startswith(("fc", "lm_head")):
+                p.zero_()
+        head.fc.weight[:, layer0 * H:(layer0 + 1) * H] = torch.eye(H)
+        for t in ALPHABET:
+            head.lm_head.weight[draft_vocab.index(follow(follow(t)))] = emb[t] / emb[t].norm() * 8
+        head.d2t.copy_(torch.tensor(draft_vocab) - torch.arange(len(draft_vocab)))
+    save_eagle3(head, folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    return assets(tmp_path_factory)
+    out = assets(tmp_path_factory)
+    root = tmp_path_factory.mktemp("agreeing_eagle3")
+    return {**out, "eagle3_agree": save_agreeing_eagle3(root / "head", out["target"], list(range(17)) + ALPHABET)}
 
 
 # ---------------------------------------------------------------- the contract, no model
@@ -172,7 +204,7 @@ def test_draft_probs_in_verification_come_only_from_the_proposal():
 
 
 # ---------------------------------------------------------------- through the engine
-KINDS = {"eagle3": {"drafter": "eagle3"}, "draft-model": {"drafter": None, "draft_model": "draft_model"}}
+KINDS = {"eagle3": {"drafter": "eagle3_agree"}, "draft-model": {"drafter": None, "draft_model": "draft_model"}}
 
 
 def _engine(folders, kind: str, **kwargs):
@@ -194,6 +226,8 @@ def test_greedy_speculation_equals_plain_decoding(folders, kind, assist, tree):
     assert engine.spec.name == kind and st.verified > 0 and st.proposed >= st.verified
     if kind == "draft-model":  # another predictable target: it agrees with this one often, not always
         assert st.verified / 8 < st.accepted < st.verified, st.as_dict()
+    else:  # the agreeing head: right at its first position about a third of the time, ~1% if misfed
+        assert st.accepted_per_pos[0] > st.verified_per_pos[0] / 8 and st.accepted < st.verified, st.as_dict()
 
 
 def test_a_target_drafting_for_itself_is_accepted_throughout(folders):

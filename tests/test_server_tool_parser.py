@@ -71,7 +71,8 @@ def test_parsed_calls():
     assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
     content, calls = split_tool_calls(OUTPUTS[2])
     assert content is None and [json.loads(f["arguments"])["city"] for f in _fn(calls)] == ["Paris", "Rome"]
-    assert split_tool_calls(OUTPUTS[3])[1] is not None  # an open last block still parses
+    content, calls = split_tool_calls(OUTPUTS[3])  # an open last block still parses, whole
+    assert content is None and _fn(calls) == [{"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}]
     assert split_tool_calls(OUTPUTS[4]) == (OUTPUTS[4], None)
     llama = Llama3JsonParser().split
     content, calls = llama(LLAMA_OUTPUTS[2])

@@ -139,11 +139,15 @@ def test_required_with_shared_definitions(server):
               "type": "object", "properties": {"who": {"$ref": "#/$defs/Person"}}, "required": ["who"],
               "additionalProperties": False}
     greet = {"type": "function", "function": {"name": "greet", "parameters": person}}
-    r = _post(server, {"tools": [greet, TIME], "tool_choice": "required", "max_tokens": 96})
+    # greet alone: "required" must call it (with get_time beside it the model could pick that and
+    # skip the check); its parameters still sit in the list of calls, so the $ref still moves
+    r = _post(server, {"tools": [greet], "tool_choice": "required", "max_tokens": 96})
     assert r.status_code == 200, r.text
-    for call in r.json()["choices"][0]["message"]["tool_calls"]:
-        if call["function"]["name"] == "greet":
-            assert isinstance(json.loads(call["function"]["arguments"])["who"]["name"], str)
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert calls and all(c["function"]["name"] == "greet" for c in calls), calls
+    for call in calls:
+        args = json.loads(call["function"]["arguments"])
+        assert set(args) == {"who"} and set(args["who"]) == {"name"} and isinstance(args["who"]["name"], str), args
 
 
 def test_required_hoists_draft07_definitions(server):

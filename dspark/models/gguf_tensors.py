@@ -21,6 +21,7 @@ import torch
 
 INDEX_FILE = "gguf_tensors.json"
 _INDEX_VERSION = 1
+_CHUNK_BYTES = 16 << 20  # stored bytes de-quantized at a time
 _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
                 "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -113,15 +114,25 @@ class GGUFTensors:
         a = a.reshape(entry.shape[0], -1) if len(entry.shape) > 1 else a
         return unpermute_rotary_rows(a, self.arch, entry.name, self.n_head, self.n_kv)
 
-    def dense(self, entry: TensorEntry) -> torch.Tensor:
-        """The tensor de-quantized to float32 in torch order (an own, writable array)."""
+    def dense(self, entry: TensorEntry, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor de-quantized in torch order, in ``dtype`` (an own, writable tensor). Large
+        tensors go a slice of rows at a time: de-quantizing an embedding whole makes several
+        float32 temporaries of it, gigabytes at a 2B model's vocabulary."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        w = dequantize(self.raw(entry), GGMLQuantizationType[entry.kind])
-        return torch.from_numpy(np.array(w, dtype=np.float32).reshape(entry.shape))
+        kind = GGMLQuantizationType[entry.kind]
+        raw = self.raw(entry)
+        if raw.ndim == 1:
+            return torch.from_numpy(np.array(dequantize(raw, kind), dtype=np.float32)).reshape(entry.shape).to(dtype)
+        out = torch.empty(entry.shape, dtype=dtype)
+        rows = max(1, _CHUNK_BYTES // max(1, raw.shape[1]))
+        for r in range(0, raw.shape[0], rows):
+            part = np.asarray(dequantize(raw[r:r + rows], kind), dtype=np.float32)
+            out[r:r + rows] = torch.from_numpy(part.reshape(-1, *entry.shape[1:]))
+        return out
 
     def state_dict(self, dtype: torch.dtype, device: str = "cpu", skip: frozenset[str] = frozenset()
                    ) -> dict[str, torch.Tensor]:
         """Every tensor with an HF name but those in ``skip``, de-quantized and cast one at a time."""
-        return {hf: self.dense(e).to(device=device, dtype=dtype) for hf, e in self.by_hf.items() if hf not in skip}
+        return {hf: self.dense(e, dtype).to(device) for hf, e in self.by_hf.items() if hf not in skip}

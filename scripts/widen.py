@@ -151,8 +151,11 @@ def main() -> None:
             continue
         log(f"llama-quantize {qtype} -> {dst}")
         tmp = dst.with_suffix(".gguf.tmp")
-        subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(tmp), qtype, str(args.threads)], check=True,
-                       stdout=subprocess.DEVNULL)
+        with open(out / f"quantize-{qtype}.log", "w") as qlog:  # llama-quantize lists every tensor
+            done = subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(tmp), qtype, str(args.threads)],
+                                  stdout=qlog, stderr=subprocess.STDOUT)
+        if done.returncode:
+            sys.exit(f"llama-quantize {qtype} failed ({done.returncode}); see {out / f'quantize-{qtype}.log'}")
         tmp.rename(dst)
 
     drafter_src = pathlib.Path(args.drafter or default_drafter())

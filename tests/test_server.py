@@ -395,3 +395,34 @@ def test_continuous_usage_stats(ngram_server):
     for opts in ({"continuous_usage_stats": True}, {"include_usage": None, "continuous_usage_stats": None}):
         status, data = stream_raw(s.url, "/v1/chat/completions", {**body, "stream": True, "stream_options": opts})
         assert status == 200 and all("usage" not in json.loads(d) for d in data[:-1])
+
+
+def test_a_client_gone_while_queued_is_dropped_unprefilled(engines):
+    """Both slots of the 2-sequence engine busy, a third streamed request waits; its client leaves
+    before any token: the request is aborted from the queue (the gauge follows at once), never
+    prefilled (the prompt-token counter does not move), and the slots' requests go on."""
+    import contextlib
+
+    with serve(engines["none"]) as s:
+        url, model = s.url, s.state.names[0]
+        # two requests long enough to hold both slots for the test (the pool holds 4096 tokens)
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1800, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with contextlib.ExitStack() as busy:
+            readers = []  # kept: a dropped line iterator closes its connection
+            for _ in range(2):
+                r = busy.enter_context(httpx.stream("POST", url + "/v1/completions", json=body, timeout=60))
+                readers.append(r.iter_lines())
+                next(line for line in readers[-1] if line.startswith("data: "))
+            waiting = lambda: metric(scrape(url), "dspark:num_requests_waiting") == 1  # noqa: E731
+            third = {**body, "prompt": REPEAT, "max_tokens": 8}
+            with httpx.stream("POST", url + "/v1/completions", json=third, timeout=60):
+                assert wait_for(waiting, 10), "the third request is not waiting"
+                prompt_tokens = metric(scrape(url), "dspark:prompt_tokens_total")
+            gone = lambda: metric(scrape(url), "dspark:num_requests_waiting") == 0  # noqa: E731
+            assert wait_for(gone, 3), "the queued request outlived its client"
+            samples = scrape(url)
+            assert metric(samples, "dspark:prompt_tokens_total") == prompt_tokens
+            assert metric(samples, "dspark:request_success_total", finished_reason="abort") == 1
+            assert metric(samples, "dspark:num_requests_running") == 2
+        assert wait_for(lambda: s.state.engine.pool.num_free == s.state.engine.pool.num_pages, 10)

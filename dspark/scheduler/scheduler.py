@@ -221,6 +221,8 @@ class AsyncEngine:
             if stopping:
                 for rid in list(eng.seqs):
                     self._dirty |= eng.abort(rid)
+            if cmds:
+                self._queue_changed()
             if eng.has_unfinished() or self._dirty:
                 self._dirty = False
                 try:
@@ -239,6 +241,16 @@ class AsyncEngine:
                 if not outs:
                     time.sleep(0.005)  # nothing schedulable this step; do not spin
             self._maybe_log()
+
+    def _queue_changed(self) -> None:
+        """The gauges follow arrivals and aborts at once, not at the next step (which may be seconds
+        away under load, or never for a request aborted while it waited)."""
+        running, waiting = len(self.engine.running), len(self.engine.waiting)
+        for listener in self.listeners:
+            try:
+                listener.on_queue(running, waiting)
+            except Exception:
+                logger.exception("stats listener failed")
 
     def _do_add(self, cmd: _Add) -> None:
         if not cmd.future.set_running_or_notify_cancel():

@@ -61,6 +61,9 @@ class StatsListener(Protocol):
 
     def on_finish(self, request: FinishedRequest) -> None: ...
 
+    def on_queue(self, running: int, waiting: int) -> None:
+        """Requests arrived or left between steps (the counts as they are now)."""
+
 
 class RecentWindow:
     """Rolling mean acceptance length (tau) and generated tokens/s over the last `seconds`.

@@ -101,6 +101,10 @@ class ServerMetrics:
         self._seen = (num_preemptions, prefix_queries, prefix_hits)
 
     # StatsListener
+    def on_queue(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+
     def on_step(self, record: StepRecord) -> None:
         self.running.set(record.running)
         self.waiting.set(record.waiting)

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -170,13 +170,15 @@ class _Generation:
         if error is not None:
             raise APIError(400, f"speculation.{error}", param="speculation.block_size")
 
-    async def _collect(self, stream: RequestStream) -> RequestOutput:
-        async def watch() -> None:  # abort when the client goes away
-            while not await self.request.is_disconnected():
-                await asyncio.sleep(0.25)
-            stream.abort()
+    async def _abort_on_disconnect(self, abort: Callable[[], None]) -> None:
+        """Poll the connection and abort once the client is gone: a request still queued or
+        prefilling produces nothing to send, so a failed send would notice it only at its first token."""
+        while not await self.request.is_disconnected():
+            await asyncio.sleep(0.25)
+        abort()
 
-        watcher = asyncio.create_task(watch())
+    async def _collect(self, stream: RequestStream) -> RequestOutput:
+        watcher = asyncio.create_task(self._abort_on_disconnect(stream.abort))
         try:
             out = await stream.result()
         except RequestAborted as e:
@@ -230,6 +232,7 @@ class _Generation:
                 body.setdefault("usage", None)
             return _sse(body)
 
+        watcher = asyncio.create_task(self._abort_on_disconnect(self._abort))
         try:
             for c in self.choices:
                 opening = self.render.opening(c)
@@ -258,6 +261,7 @@ class _Generation:
                 yield _sse(APIError(500, safe_text(f"internal error (request id {rid}): {type(e).__name__}: {e}"))
                            .body())
         finally:
+            watcher.cancel()
             self._abort()
         yield "data: [DONE]\n\n"
 

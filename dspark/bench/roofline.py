@@ -247,37 +247,55 @@ def _int_list(text: str) -> list[int]:
 
 def add_roofline_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``roofline`` to the sub-modes of ``dspark bench``."""
+    from dspark.bench.roofline_model import add_model_args  # imports this module: here, not at the top
     p = subparsers.add_parser(
-        "roofline", help="decode and verification passes of a random model of a named shape vs the roofline",
+        "roofline", help="decode and verification passes of a random model of a named shape (or of --model) vs "
+                         "the roofline",
         description="Time plain decode passes and chain-verification passes of a randomly initialised model "
                     "(no download) at several batch sizes, each against the memory-bandwidth roofline (weights "
-                    "+ K/V bytes / measured copy bandwidth). The table goes to stderr, the JSON to stdout.")
+                    "+ K/V bytes / measured copy bandwidth); with --model, of a real model loaded as the engine "
+                    "loads it, k = 1..--max-rows rows per request, against the measured read bandwidth. The "
+                    "table goes to stderr, the JSON to stdout.")
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--device", default=None, help="default cuda (--model: cpu)")
+    p.add_argument("--dtype", default=None, choices=["auto", "bf16", "fp16", "fp32"],
+                   help="default bf16 (--model: auto, as the engine)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
-    p.add_argument("--batch-sizes", default="1,8,64", help="comma list (default %(default)s)")
+    p.add_argument("--batch-sizes", default=None, help="comma list (default 1,8,64; --model: 1,8)")
     p.add_argument("--verify-tokens", type=int, default=8, help="draft tokens per request in a verify pass")
-    p.add_argument("--context", type=int, default=1024, help="cached tokens per request (default %(default)s)")
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions per pass (median reported)")
+    p.add_argument("--context", type=int, default=None, help="cached tokens per request (default 1024; --model: 256)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per pass, median reported (default "
+                                                          "10; --model: 5)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="time eager passes only (default on CUDA with flashinfer: eager and CUDA-graph passes)")
     p.add_argument("--output", default=None, help="also write the JSON report to this file")
+    add_model_args(p)
     p.set_defaults(func=cmd_roofline)
     return p
 
 
 def cmd_roofline(args: argparse.Namespace) -> int:
-    if args.verify_tokens < 1 or args.context < 0 or args.reps < 1:
-        raise ValueError("--verify-tokens and --reps must be >= 1, --context >= 0")
+    """Run the random-shape roofline, or the real model's with --model (``roofline_model.py``)."""
+    from dspark.bench.roofline_model import cmd_model_roofline, resolve_dtype
+
     try:
-        device = torch.device(args.device)
+        device = torch.device(args.device or ("cpu" if args.model is not None else "cuda"))
     except RuntimeError as e:
         raise ValueError(f"--device {args.device}: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available here (pass --device cpu to time this CPU)")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    report = run_roofline(args.shape, args.device, dtype, _int_list(args.batch_sizes), args.verify_tokens,
+        raise ValueError(f"--device {device}: CUDA is not available here (pass --device cpu to time this CPU)")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.model is not None:
+        return cmd_model_roofline(args, device)
+    args.context = 1024 if args.context is None else args.context
+    args.reps = 10 if args.reps is None else args.reps
+    if args.verify_tokens < 1 or args.context < 0 or args.reps < 1:
+        raise ValueError("--verify-tokens and --reps must be >= 1, --context >= 0")
+    dtype = resolve_dtype(args.dtype or "bf16", device)
+    report = run_roofline(args.shape, str(device), dtype, _int_list(args.batch_sizes or "1,8,64"), args.verify_tokens,
                           args.context, args.reps, args.attention_backend, graphs=not args.enforce_eager)
     print(format_table(report), file=sys.stderr)
     text = json.dumps(report, indent=2)

@@ -173,6 +173,13 @@ curl -fsS -m 300 "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: 
 echo
 python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["choices"][0]["message"]["content"].strip(), d' "$WORK/chat.json" \
     || die "empty completion"
+log "POST /v1/chat/completions with a JSON schema (structured outputs: xgrammar)"
+curl -fsS -m 300 "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"$model\", \"messages\": [{\"role\": \"user\", \"content\": \"Give the capital of France as JSON.\"}], \"max_tokens\": 48, \"temperature\": 0, \"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"capital\", \"schema\": {\"type\": \"object\", \"properties\": {\"capital\": {\"type\": \"string\", \"maxLength\": 20}}, \"required\": [\"capital\"], \"additionalProperties\": false}}}}" \
+    | tee "$WORK/chat_json.json"
+echo
+python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); c=d["choices"][0]; assert c["finish_reason"] == "stop", d; assert isinstance(json.loads(c["message"]["content"])["capital"], str), d' "$WORK/chat_json.json" \
+    || die "the structured output is not the schema's JSON"
 stop_server || die "the server did not stop within 30 s of SIGTERM"
 server_pid=
 grep -q "Finished server process" "$WORK/serve.log" || die "the server did not shut down cleanly (log: $WORK/serve.log)"

@@ -19,8 +19,9 @@ from dspark.server.app import create_app
 from dspark.server.body import MAX_JSON_DEPTH
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402 - schemathesis brings hypothesis
-from schemathesis import checks  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - schemathesis brings hypothesis
+from hypothesis import strategies as st  # noqa: E402
+from schemathesis import GenerationMode, checks  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
@@ -68,15 +69,27 @@ def _cheap(body: object) -> None:
         body["max_tokens"] = CHEAP
 
 
-@schema.parametrize()
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
-def test_every_operation_keeps_to_its_schema(app, case):
-    _cheap(case.body)
-    response = case.call_and_validate(app=app, checks=CHECKS)
-    CASES[f"{case.method} {case.path}"] += 1
-    if case.method == "POST":
-        STATUSES[case.path, response.status_code] += 1
+# one pytest id per operation (schema.parametrize's items all share one node id, which pytest-xdist
+# collapses into a single test: the other operations never ran there)
+OPERATIONS = {f"{op.method.upper()} {op.path}": op for op in (r.ok() for r in schema.get_all_operations())}
+
+
+@pytest.mark.parametrize("operation", sorted(OPERATIONS))
+def test_every_operation_keeps_to_its_schema(app, operation: str) -> None:
+    op = OPERATIONS[operation]
+    cases = st.one_of(op.as_strategy(GenerationMode.POSITIVE), op.as_strategy(GenerationMode.NEGATIVE))
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=cases)
+    def run(case) -> None:  # noqa: ANN001
+        _cheap(case.body)
+        response = case.call_and_validate(app=app, checks=CHECKS)
+        CASES[f"{case.method} {case.path}"] += 1
+        if case.method == "POST":
+            STATUSES[case.path, response.status_code] += 1
+
+    run()
 
 
 def test_generated_requests_reached_the_engine(app):

@@ -200,9 +200,10 @@ def test_disconnect_frees_pages(ngram_server):
         metric(m, "dspark:num_requests_running") == 0
     assert wait_for(idle, 10), "pages not freed after the client disconnected"
     assert metric(scrape(url), "dspark:request_success_total", finished_reason="abort") == 1
-    # a non-streaming request whose client gives up is aborted too
+    # a non-streaming request whose client gives up is aborted too (3,000 tokens: several seconds
+    # even on a fast idle machine, where 400 finished inside the client's 1.5 s)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json=body, timeout=1.5)
+        httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3000}, timeout=1.5)
     assert wait_for(idle, 10), "pages not freed after a non-streaming client disconnected"
     assert metric(scrape(url), "dspark:request_success_total", finished_reason="abort") == 2
     assert ngram_server.state.engine.pool.num_free == ngram_server.state.engine.pool.num_pages

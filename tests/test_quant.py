@@ -61,7 +61,7 @@ def _quantize(w: np.ndarray, kind: T) -> np.ndarray:
     return _q4_k_bytes(w) if kind == T.Q4_K else quantize(w, kind)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0"])
 def test_gguf_blocks_round_trip(kind: str) -> None:
     """Codes and scales read from GGUF blocks reproduce gguf's own de-quantization exactly (Q8_0:
     its codes and block scales as they are)."""
@@ -139,7 +139,7 @@ def _write_quantized_gguf(path, model, kind: T) -> None:  # noqa: ANN001
     assert _REV and c.hidden_size % 32 == 0
 
 
-@pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_0, T.Q4_K, T.Q8_0])
+@pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_0, T.Q4_K, T.Q5_0, T.Q8_0])
 def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch, kind: T) -> None:  # noqa: ANN001
     """--quantization auto keeps a GGUF's Q4_0/Q4_1/Q4_K layers as int4 and Q8_0 as int8 (Q8_0
     blocks as they are where our kernels take the dtype, else one scale per row), and their
@@ -155,7 +155,7 @@ def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch
                   num_attention_heads=4, num_key_value_heads=2)
     src = tmp_path / "q.gguf"
     _write_quantized_gguf(src, model, kind)
-    q8 = kind == T.Q8_0
+    q8 = kind in (T.Q8_0, T.Q5_0)  # Q5_0's 5-bit codes are int8 codes with the block's scale
 
     def kept_as(dtype: torch.dtype) -> str:  # the linear auto builds in dtype where our kernels are
         if cpu_ops.quant_dtype() != dtype:
@@ -190,7 +190,7 @@ def test_gguf_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch
                 torch.testing.assert_close(got, ref, atol=0.02 * ref.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_K])
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_K, T.Q5_0])
 def test_speculative_equals_plain_on_kept_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch, kind: T) -> None:  # noqa: ANN001
     """A GGUF's Q8_0 / Q4_K blocks on our kernels (the decoder stack in one call included):
     prompt-lookup speculation gives plain decoding's greedy tokens of that target."""
@@ -210,7 +210,7 @@ def test_speculative_equals_plain_on_kept_blocks(tmp_path, monkeypatch: pytest.M
     prompts = [[5 + (i % k) for i in range(24)] for k in (3, 4, 5)]
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = make_engine(str(src), "none", dtype=name, quantization="auto")
-    want = "Q8Linear" if kind == T.Q8_0 else "Int4Linear"
+    want = "Q8Linear" if kind in (T.Q8_0, T.Q5_0) else "Int4Linear"
     assert set(plain.quantization) == {want}
     ref = run_requests(plain, [(p, sp, None) for p in prompts])
     spec = make_engine(str(src), "ngram", dtype=name, quantization="auto")

@@ -23,7 +23,7 @@ _FUSED = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 
           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
           "down_proj": ("mlp.down_proj", 0)}
 _PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0")
 log = logging.getLogger(__name__)
 
 
@@ -66,6 +66,12 @@ def gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Weigh
     if kind == "Q8_0":
         q, d = _q8_0(blocks)
         return Int8Weight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d))
+    if kind == "Q5_0":  # w = d * (q - 16), q of 5 bits: int8 codes q - 16 with the block's scale, exactly
+        low = blocks[..., 6:22]
+        high = blocks[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [N, G, 32]
+        q = (np.concatenate([low & 0x0F, low >> 4], axis=-1) | ((high & 1).astype(np.uint8) << 4))
+        return Int8Weight(torch.from_numpy((q.astype(np.int8) - 16).reshape(n, k)),
+                          torch.from_numpy(_block_scale(blocks)))
     if kind not in ("Q4_0", "Q4_1"):
         raise ValueError(f"no int4/int8 layout for GGUF type {kind}")
     d = _block_scale(blocks)
@@ -107,7 +113,7 @@ class KeptParts(Mapping):
         for name, slots in found.items():
             # Q4_0, Q4_1 and Q4_K share one layout (codes, scale, offset): a layer may mix them; a
             # part of another type (a Q4_K_M file's Q6_K attn_v) leaves the fused linear dense
-            kinds = {"Q4" if e.kind.startswith("Q4") else e.kind for e in slots.values()}
+            kinds = {"Q4" if e.kind.startswith("Q4") else "Q8_0" for e in slots.values()}  # Q5_0: int8 codes
             if len(slots) == _PARTS[name.split(".", 2)[2]] and len(kinds) == 1:
                 self.slots[name] = [slots[i] for i in sorted(slots)]
                 self.layouts[name] = kinds.pop()

@@ -106,14 +106,13 @@ class _Slices:
     def get(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
         if not self.has(name):
             raise ValueError(f"checkpoint is missing {name}")
-        if name not in self.where:
-            assert self.gguf is not None
-            t = self.gguf.dense(self._entry(name))
-            return t[rows or slice(None), cols] if cols is not None else t[rows or slice(None)]
-        f, key = self.where[name]
-        if f not in self.handles:
-            self.handles[f] = safe_open(str(f), "pt")
-        sl = self.handles[f].get_slice(key)
+        if name in self.where:
+            f, key = self.where[name]
+            if f not in self.handles:
+                self.handles[f] = safe_open(str(f), "pt")
+            sl = self.handles[f].get_slice(key)
+        else:  # a GGUF's tensor: de-quantized whole, sliced as a safetensors slice would be
+            sl = self.gguf.dense(self._entry(name))
         if rows is None and cols is None:
             return sl[:]
         return sl[rows or slice(None), cols] if cols is not None else sl[rows]

@@ -29,6 +29,8 @@ from dspark.models.layers import (  # noqa: F401 - re-exported: the layers' hist
 )
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
+_FUSED_PARTS = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}  # a fused linear's HF parts, in order
 
 
 @dataclass
@@ -147,9 +149,7 @@ class LlamaModel(nn.Module):
         c = self.config
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
-            fused = {"self_attn.qkv_proj": [f"self_attn.{x}_proj" for x in "qkv"],
-                     "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}
-            for name, part_names in fused.items():
+            for name, part_names in _FUSED_PARTS.items():
                 for kind in ("weight", "bias") if c.qkv_bias and name == "self_attn.qkv_proj" else ("weight",):
                     if kind == "weight" and p + name in absent:
                         continue
@@ -157,7 +157,6 @@ class LlamaModel(nn.Module):
                     if any(t is None for t in parts):
                         raise ValueError(f"checkpoint is missing {p}{'/'.join(part_names)}.{kind}")
                     own[f"{p}{name}.{kind}"] = torch.cat(parts)
-                    del parts
         if c.tie_word_embeddings:
             own.pop("lm_head.weight", None)
         missing, unexpected = self.load_state_dict(own, strict=False, assign=assign)

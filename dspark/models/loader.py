@@ -36,6 +36,8 @@ _CONVERTER_VERSION = "2"  # bump to invalidate caches when the conversion change
 _ACCEPTED = "a folder with config.json + *.safetensors, or a .gguf file"
 _ARCHES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
            "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+
+
 class ModelLoadError(ValueError):
     """The model argument cannot be turned into a usable model folder; the message says why."""
 

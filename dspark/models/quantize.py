@@ -13,8 +13,9 @@ memory: docs/quantization.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,10 +39,12 @@ from dspark.models.quant import (
     quantize_q8_0,
 )
 
+if TYPE_CHECKING:
+    from dspark.models.gguf_blocks import KeptParts
+
 log = logging.getLogger(__name__)
 
 _LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-Parts = Mapping[str, tuple[str, Int4Weight | Int8Weight]]
 
 
 @dataclass
@@ -49,7 +52,7 @@ class FileBlocks:
     """A GGUF's kept layer linears (fused name -> (layout, blocks), read on lookup), the ones of
     them built without a dense weight, and a reader of its head's Q8_0 blocks."""
 
-    parts: Parts
+    parts: KeptParts
     direct: frozenset[str]
     head: Callable[[], tuple[torch.Tensor, torch.Tensor] | None]
 
@@ -118,7 +121,7 @@ def quantize_model(model: nn.Module, mode: str, blocks: FileBlocks | None = None
             parent_name, attr = path.split(".")
             parent = getattr(layer, parent_name)
             full = f"layers.{i}.{path}"
-            layout = blocks.parts.layouts.get(full) if blocks else None  # type: ignore[attr-defined]
+            layout = blocks.parts.layouts.get(full) if blocks else None
             kind = _resolve(mode, layout, dev, dtype)
             parts = blocks.parts[full] if blocks and full in blocks.direct else None
             new = _build(getattr(parent, attr), kind, parts, dev, dtype, mode, prefill_dense)
@@ -168,8 +171,8 @@ def _build(lin: Linear, kind: str, parts: tuple[str, Int4Weight | Int8Weight] | 
                 return Q8Linear(w.q, w.scale, amx, lin.bias, int8_rows=True, dtype=dtype, prefill_dense=dense_copy)
             w = quantize_int8(w.dequantize())
     else:
-        if kind == "int8" and dtype == torch.float32 and mode == "auto":
-            return lin  # a Q8_0 file on torch's int8 kernel: slower than dense in float32
+        if kind == "int8" and mode == "auto":
+            return lin  # a Q8_0 layer _from_blocks left dense (float32 without our kernels)
         w = (quantize_int4 if kind == "int4" else quantize_int8)(lin.weight.detach().float())
     return (Int4Linear if kind == "int4" else Int8Linear)(w, lin.bias, dtype, dense_copy)
 

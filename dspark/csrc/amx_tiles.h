@@ -46,6 +46,18 @@ inline void configure(int rows, int a_bytes, int b_rows) {
   asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
+
+// The k-quant form (mm8 on pack8's split weights) sums each half group apart: tiles 0 and 5 hold
+// A's inputs 0-15 and 16-31 (rows x 16 bytes), tiles 1, 3 and 6, 7 the B quads of those halves
+// (4 x 64 bytes) for two column tiles, tiles 2 and 4 their C.
+inline void configure_split(int rows) {
+  TileConfig cfg;
+  for (int t : {0, 5}) { cfg.colsb[t] = 16; cfg.rows[t] = rows; }
+  for (int t : {1, 3, 6, 7}) { cfg.colsb[t] = 64; cfg.rows[t] = 4; }
+  for (int t : {2, 4}) { cfg.colsb[t] = 64; cfg.rows[t] = rows; }
+  asm volatile("" : : "r"(&cfg) : "memory");  // as configure()'s
+  _tile_loadconfig(&cfg);
+}
 #endif
 
 inline __m512 half16(const uint16_t* p) {

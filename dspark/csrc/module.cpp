@@ -22,7 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m") = pybind11::none());
   m.def("mm", &amx::mm, "bf16 rows times a packed int4 or int8 weight (a pack8 one: with its code sums)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("dm"), pybind11::arg("sums") = pybind11::none());
-  m.def("pack8", &amx::pack8, "int8 codes with scales -> the int8-rows layout, scales and code sums");
+  m.def("pack8", &amx::pack8, "int8 codes with scales (per 32 inputs, or per 16: k-quants) and optional offsets "
+        "-> the int8-rows layout, scales and code sums", pybind11::arg("q"), pybind11::arg("d"),
+        pybind11::arg("m") = pybind11::none());
   m.def("mm8", &amx::mm8, "bf16 rows, quantized to int8, times a pack8 weight");
   m.def("decode_stack", &decode_stack, "a decoder stack's decode or verification pass, every layer in one call");
 #endif

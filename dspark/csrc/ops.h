@@ -25,7 +25,7 @@ bool enable();
 std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m);
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,
               const std::optional<at::Tensor>& sums = std::nullopt);
-std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d);
+std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m = std::nullopt);
 at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& wsum);
 }  // namespace dspark::amx
 

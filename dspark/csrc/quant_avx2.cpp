@@ -149,8 +149,12 @@ void mm_int4(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const 
   });
 }
 
+// kSplit: pack8's k-quant form, halves of a group summed apart with their own scales, then the
+// group's offset (the order quant_q8_rows.cpp gives).
+template <bool kSplit>
 void mm_q8_rows(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const uint16_t* dmp, float* yp,
                 int64_t n) {
+  constexpr int64_t kScales = kSplit ? 3 * kCols : kCols;
   const int64_t g = k / kGroup, tiles = n / kCols, tile_bytes = 2 * kTileBytes;
   const QuantizedRows qr = quantize_batch(xp, rows, k);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -159,22 +163,29 @@ void mm_q8_rows(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, con
     for (int64_t t = t0; t < t1; ++t) {
       std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
       const uint8_t* wt = wp + t * g * tile_bytes;
-      const uint16_t* dm = dmp + t * g * kCols;
+      const uint16_t* dm = dmp + t * g * kScales;
       for (int64_t gi = 0; gi < g; ++gi) {
         const uint8_t* wg = wt + gi * tile_bytes;
         prefetch(wt + (gi + kAhead) * tile_bytes, tile_bytes);
         for (int h = 0; h < 2; ++h) {
-          const __m256 dv = half8(dm + gi * kCols + 8 * h);
+          const uint16_t* sc = dm + gi * kScales + 8 * h;
+          const __m256 dv = half8(sc);
           for (int64_t r = 0; r < rows; ++r) {
             const int8_t* xr = qr.xq + r * k + gi * kGroup;
-            __m256i s = _mm256_setzero_si256();
+            __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int j = 0; j < 8; ++j) {  // the codes come from L1 each row: 16 registers hold no more
               const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j + 32 * h));
               const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(quad(xr + 4 * j), w));
-              s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+              const int c = kSplit ? j / 4 : 0;
+              s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(p, ones));
             }
-            acc[2 * r + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(qr.dx[r * g + gi])),
-                                             acc[2 * r + h]);
+            const __m256 d = _mm256_set1_ps(qr.dx[r * g + gi]);
+            __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(dv, d), acc[2 * r + h]);
+            if (kSplit) {
+              a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(half8(sc + kCols), d), a);
+              a = _mm256_fmadd_ps(half8(sc + 2 * kCols), _mm256_set1_ps(qr.cx[r * g + gi]), a);
+            }
+            acc[2 * r + h] = a;
           }
         }
       }
@@ -209,8 +220,13 @@ at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tenso
   auto y = at::empty({s.rows, s.n}, x_in.options());
   if (s.rows == 0) return y;
   const at::Tensor x = x_in.contiguous();
-  mm_q8_rows(x.data_ptr<float>(), s.rows, s.k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
-             reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), s.n);
+  const auto* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+  if (s.split) {
+    mm_q8_rows<true>(x.data_ptr<float>(), s.rows, s.k, wp, dmp, y.data_ptr<float>(), s.n);
+  } else {
+    mm_q8_rows<false>(x.data_ptr<float>(), s.rows, s.k, wp, dmp, y.data_ptr<float>(), s.n);
+  }
   return y;
 }
 

@@ -31,9 +31,11 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
 }
 
 // x [rows, k] times a packed weight of n outputs; bytes: int8 codes (pack()'s Q8_0), else int4.
+// split: a pack8 weight in the k-quant form (two scales per group, one per 16 inputs, and an offset).
 struct MatmulShape {
   int64_t rows, k, n;
   bool bytes;
+  bool split = false;
 };
 
 // mm's arguments checked: x [M, K] of dtype rows (the build's), a weight from pack() with its

@@ -47,15 +47,22 @@ std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std
 
 // int8 codes [N, K] and scales [N, K / 32] -> (codes [N/16, G, 512], 64 bytes q holding k = 4q ..
 // 4q + 3 of the 16 columns as widen()'s output does, fp16 scales [N/16, G, 16], the codes' sum
-// per column and group [N/16, G, 16] int32), for mm8.
-std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d) {
+// per column and group [N/16, G, 16] int32), for mm8. The k-quant form (split), for GGUF's
+// Q6_K / Q5_K / Q4_K blocks: scales [N, K / 16] (one per half group) and/or offsets m
+// [N, K / 32] (w = d * q + m) -> fp16 (d of inputs 0-15, d of 16-31, m) [N/16, G, 3, 16] and
+// code sums per half group [N/16, G, 2, 16].
+std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack8: codes must be [N, K] int8");
   const int64_t n = q.size(0), k = q.size(1), g = k / kGroup;
   TORCH_CHECK(n % (2 * kCols) == 0 && k % kGroup == 0, "pack8: N must divide by 32 and K by 32");
-  TORCH_CHECK(d.dim() == 2 && d.size(0) == n && d.size(1) == g, "pack8: scales must be [N, K / 32]");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == n && (d.size(1) == g || d.size(1) == 2 * g),
+              "pack8: scales must be [N, K / 32] or [N, K / 16]");
+  TORCH_CHECK(!m.has_value() || (m->dim() == 2 && m->size(0) == n && m->size(1) == g), "pack8: offsets must be [N, K / 32]");
+  const bool split = d.size(1) == 2 * g || m.has_value();
+  const int64_t halves = split ? 2 : 1;
   auto qc = q.contiguous();
   auto packed = at::zeros({n / kCols, g, 2 * kTileBytes}, q.options());
-  auto wsum = at::zeros({n / kCols, g, kCols}, q.options().dtype(at::kInt));
+  auto wsum = at::zeros({n / kCols, g, halves, kCols}, q.options().dtype(at::kInt));
   const int8_t* src = qc.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   int32_t* sum = wsum.data_ptr<int32_t>();
@@ -65,9 +72,16 @@ std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d) {
         for (int kk = 0; kk < kGroup; ++kk) {
           const int8_t code = src[(t * kCols + col) * k + gi * kGroup + kk];
           dst[(t * g + gi) * 2 * kTileBytes + 64 * (kk / 4) + 4 * col + kk % 4] = code;
-          sum[(t * g + gi) * kCols + col] += code;
+          sum[((t * g + gi) * halves + (split ? kk / 16 : 0)) * kCols + col] += code;
         }
-  auto dm = d.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}).contiguous();
+  auto per_tile = [&](const at::Tensor& v, int64_t groups) {
+    return v.to(at::kHalf).contiguous().view({n / kCols, kCols, groups}).permute({0, 2, 1});  // [T, groups, 16]
+  };
+  if (!split) return {packed, per_tile(d, g).contiguous(), wsum.view({n / kCols, g, kCols})};
+  const at::Tensor d16 = d.size(1) == g ? d.repeat_interleave(2, 1) : d;
+  const at::Tensor halves_d = per_tile(d16, 2 * g).reshape({n / kCols, g, 2, kCols});
+  const at::Tensor offsets = per_tile(m.has_value() ? *m : at::zeros({n, g}, d.options()), g).unsqueeze(2);
+  const at::Tensor dm = at::cat({halves_d, offsets}, 2).contiguous();
   return {packed, dm, wsum};
 }
 
@@ -102,11 +116,12 @@ MatmulShape check_mm8(const at::Tensor& x, at::ScalarType rows, const at::Tensor
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == 2 * kTileBytes &&
               packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm8: not a weight from pack8");
   const int64_t cells = packed.size(0) * packed.size(1) * kCols;
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == cells &&
-              wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == cells,
+  const bool split = dm.numel() == 3 * cells;  // the k-quant form: two scales and an offset per cell
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && (dm.numel() == cells || split) &&
+              wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == (split ? 2 : 1) * cells,
               "mm8: scales and sums must be the tensors pack8 returned");
   check_inputs("mm8", x.size(1), packed);
-  return {x.size(0), x.size(1), packed.size(0) * kCols, true};
+  return {x.size(0), x.size(1), packed.size(0) * kCols, true, split};
 }
 
 }  // namespace dspark::amx

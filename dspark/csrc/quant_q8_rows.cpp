@@ -1,4 +1,5 @@
-// Q8_0 weights times int8 rows on VNNI and AMX-INT8 (see mm_q8_rows), for the LM head.
+// int8 weights times int8 rows on VNNI and AMX-INT8 (see mm_q8_rows): the LM head, Q8_0 / Q5_0
+// layers, and GGUF's k-quant layers (Q6_K, Q5_K) in pack8's split form.
 #include "amx_tiles.h"
 #include "ops.h"
 
@@ -18,73 +19,119 @@ namespace dspark::amx {
 // Layout as widen()'s output: (column tile, group) = 8 vectors, vector q holding k = 4q .. 4q + 3
 // of the 16 columns, which is also AMX-INT8's B tile. VNNI multiplies unsigned by signed
 // bytes, so rows go in as xq + 128 and each group's sum loses 128 * (the column's code sum), wsum.
+// kSplit (pack8's k-quant form: GGUF's Q6_K, Q5_K, Q4_K in int8 codes): the two halves of a group
+// (vectors 0-3 and 4-7) are summed apart and take their own scales, then the group's offset
+// m * (dx * sum xq), as the int4 kernel's: acc += S_lo * (d_lo * dx); acc += S_hi * (d_hi * dx);
+// acc += m * cx, in that order on either path.
+template <bool kSplit>
 void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, const int32_t* wsp,
                 c10::BFloat16* yp, int64_t n, int64_t pairs) {
+  constexpr int64_t kScales = kSplit ? 3 * kCols : kCols, kSums = kSplit ? 2 * kCols : kCols;
   const int64_t k = x.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
   const bool vnni = rows <= kVnniRows;
   const QuantizedRows qr = quantize_batch(x, rows, vnni);
   const int8_t* xqp = qr.xq;
-  const float* dxp = qr.dx;
+  const float *dxp = qr.dx, *cxp = qr.cx;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     std::vector<__m512> acc(rows * 2);
     __m512i w[2][8];
 #ifdef DSPARK_AMX
-    if (!vnni) configure(static_cast<int>(std::min<int64_t>(rows, 16)), kGroup, 8);
+    if (!vnni) {
+      const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
+      if (kSplit) {
+        configure_split(tile_rows);
+      } else {
+        configure(tile_rows, kGroup, 8);
+      }
+    }
 #endif
     for (int64_t pr = p0; pr < p1; ++pr) {
       const int64_t t = 2 * pr;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
       const uint8_t* wt[2] = {wp + t * g * tile_bytes, wp + (t + 1) * g * tile_bytes};
-      const uint16_t* dm[2] = {dmp + t * g * kCols, dmp + (t + 1) * g * kCols};
-      const int32_t* ws[2] = {wsp + t * g * kCols, wsp + (t + 1) * g * kCols};
+      const uint16_t* dm[2] = {dmp + t * g * kScales, dmp + (t + 1) * g * kScales};
+      const int32_t* ws[2] = {wsp + t * g * kSums, wsp + (t + 1) * g * kSums};
       for (int64_t gi = 0; gi < g; ++gi) {
         prefetch(wt[0] + (gi + kAhead) * tile_bytes, tile_bytes);
         prefetch(wt[1] + (gi + kAhead) * tile_bytes, tile_bytes);
-        const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
+        __m512 dv[2], dh[2], mv[2];  // scales (of inputs 0-15), of inputs 16-31 and offsets: kSplit
+        for (int j = 0; j < 2; ++j) {
+          dv[j] = half16(dm[j] + gi * kScales);
+          if (kSplit) {
+            dh[j] = half16(dm[j] + gi * kScales + kCols);
+            mv[j] = half16(dm[j] + gi * kScales + 2 * kCols);
+          }
+        }
+        // one row's exact half-group sums (or the group's, in lo) into its 16 outputs of tile j
+        auto combine = [&](int64_t r, int j, __m512i lo, __m512i hi) {
+          const float dx = dxp[r * g + gi];
+          const __m512 d = _mm512_set1_ps(dx);
+          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(dv[j], d), acc[2 * r + j]);
+          if (kSplit) {
+            a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(dh[j], d), a);
+            a = _mm512_fmadd_ps(mv[j], _mm512_set1_ps(cxp[r * g + gi]), a);
+          }
+          acc[2 * r + j] = a;
+        };
         if (vnni) {
-          __m512i off[2];
+          __m512i off[2][2];
           for (int j = 0; j < 2; ++j) {
             for (int q = 0; q < 8; ++q) w[j][q] = _mm512_loadu_si512(wt[j] + gi * tile_bytes + 64 * q);
-            off[j] = _mm512_slli_epi32(_mm512_loadu_si512(ws[j] + gi * kCols), 7);
+            for (int h = 0; h < (kSplit ? 2 : 1); ++h)
+              off[j][h] = _mm512_slli_epi32(_mm512_loadu_si512(ws[j] + gi * kSums + h * kCols), 7);
           }
           for (int64_t r = 0; r < rows; ++r) {
             const int8_t* xr = xqp + r * k + gi * kGroup;
             __m512i s[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()},
                                {_mm512_setzero_si512(), _mm512_setzero_si512()}};
-            for (int q = 0; q < 8; ++q) {
+            for (int q = 0; q < 8; ++q) {  // two chains per column tile: even and odd quads, or the halves
               uint32_t quad;
               std::memcpy(&quad, xr + 4 * q, 4);
               const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(quad ^ 0x80808080u));  // xq + 128
-              s[0][q & 1] = _mm512_dpbusd_epi32(s[0][q & 1], xv, w[0][q]);
-              s[1][q & 1] = _mm512_dpbusd_epi32(s[1][q & 1], xv, w[1][q]);
+              const int c = kSplit ? q / 4 : q & 1;
+              s[0][c] = _mm512_dpbusd_epi32(s[0][c], xv, w[0][q]);
+              s[1][c] = _mm512_dpbusd_epi32(s[1][c], xv, w[1][q]);
             }
-            const __m512 d = _mm512_set1_ps(dxp[r * g + gi]);
             for (int j = 0; j < 2; ++j) {
-              const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(s[j][0], s[j][1]), off[j]);
-              acc[2 * r + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv[j], d), acc[2 * r + j]);
+              if (kSplit) {
+                combine(r, j, _mm512_sub_epi32(s[j][0], off[j][0]), _mm512_sub_epi32(s[j][1], off[j][1]));
+              } else {
+                combine(r, j, _mm512_sub_epi32(_mm512_add_epi32(s[j][0], s[j][1]), off[j][0]), s[j][1]);
+              }
             }
           }
           continue;
         }
 #ifdef DSPARK_AMX
-        alignas(64) int32_t ctile[2][16 * 16];
+        alignas(64) int32_t ctile[2][2][16 * 16];  // [half][column tile]
         _tile_loadd(1, wt[0] + gi * tile_bytes, 64);  // the packed layout is the B tile itself
         _tile_loadd(3, wt[1] + gi * tile_bytes, 64);
+        if (kSplit) {
+          _tile_loadd(6, wt[0] + gi * tile_bytes + 256, 64);
+          _tile_loadd(7, wt[1] + gi * tile_bytes + 256, 64);
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
           _tile_loadd(0, xqp + r0 * k + gi * kGroup, k);
           _tile_zero(2);
           _tile_zero(4);
           _tile_dpbssd(2, 0, 1);
           _tile_dpbssd(4, 0, 3);
-          _tile_stored(2, ctile[0], 64);
-          _tile_stored(4, ctile[1], 64);
-          const int64_t mr = std::min<int64_t>(16, rows - r0);
-          for (int64_t i = 0; i < mr; ++i) {
-            const __m512 d = _mm512_set1_ps(dxp[(r0 + i) * g + gi]);
-            for (int j = 0; j < 2; ++j)
-              acc[2 * (r0 + i) + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ctile[j] + 16 * i)),
-                                                      _mm512_mul_ps(dv[j], d), acc[2 * (r0 + i) + j]);
+          _tile_stored(2, ctile[0][0], 64);
+          _tile_stored(4, ctile[0][1], 64);
+          if (kSplit) {
+            _tile_loadd(5, xqp + r0 * k + gi * kGroup + 16, k);
+            _tile_zero(2);
+            _tile_zero(4);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(4, 5, 7);
+            _tile_stored(2, ctile[1][0], 64);
+            _tile_stored(4, ctile[1][1], 64);
           }
+          const int64_t mr = std::min<int64_t>(16, rows - r0);
+          for (int64_t i = 0; i < mr; ++i)
+            for (int j = 0; j < 2; ++j)
+              combine(r0 + i, j, _mm512_load_si512(ctile[0][j] + 16 * i),
+                      kSplit ? _mm512_load_si512(ctile[1][j] + 16 * i) : _mm512_setzero_si512());
         }
 #endif
       }
@@ -103,9 +150,13 @@ at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tenso
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0) return y;
   const at::Tensor x = x_in.contiguous();
-  mm_q8_rows(x, rows, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
-             reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), wsum.data_ptr<int32_t>(),
-             y.data_ptr<c10::BFloat16>(), n, pairs);
+  const auto* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+  if (s.split) {
+    mm_q8_rows<true>(x, rows, wp, dmp, wsum.data_ptr<int32_t>(), y.data_ptr<c10::BFloat16>(), n, pairs);
+  } else {
+    mm_q8_rows<false>(x, rows, wp, dmp, wsum.data_ptr<int32_t>(), y.data_ptr<c10::BFloat16>(), n, pairs);
+  }
   return y;
 }
 

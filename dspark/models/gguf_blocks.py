@@ -23,7 +23,10 @@ _FUSED = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 
           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
           "down_proj": ("mlp.down_proj", 0)}
 _PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0")
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0")
+# the kernel each type's blocks run on: int4 (Q4), int8 with a scale per 32 (Q8_0), or int8 in the
+# k-quant form, a scale per 16 and an offset per 32 (Q8K); a fused linear whose parts differ takes Q8K
+_LAYOUT = {"Q4_0": "Q4", "Q4_1": "Q4", "Q4_K": "Q4", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q5_K": "Q8K", "Q6_K": "Q8K"}
 log = logging.getLogger(__name__)
 
 
@@ -55,13 +58,46 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> Int4Weight:
     return Int4Weight(q, scale, 8 * scale - mins)
 
 
+def _q6_k(raw: np.ndarray, n: int, k: int) -> Int8Weight:
+    """Q6_K super-blocks (256 inputs: 4+2-bit codes, sixteen int8 scales, fp16 d) as int8 codes
+    q - 32 with a scale d * sc per 16 inputs: w = d * sc * (q - 32)."""
+    b = np.ascontiguousarray(raw).reshape(-1, 210)
+    ql = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = (ql.reshape(-1, 2, 4, 32) | (qh << 4)).astype(np.int8) - np.int8(32)
+    sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
+    return Int8Weight(torch.from_numpy(q.reshape(n, k)), torch.from_numpy((d * sc).reshape(n, k // 16)))
+
+
+def _q5_k(raw: np.ndarray, n: int, k: int) -> Int8Weight:
+    """Q5_K super-blocks (as Q4_K's, plus a fifth bit per code) as int8 codes q in [0, 31] with a
+    scale d * sc and an offset -dmin * m per sub-block of 32."""
+    from gguf.quants import Q4_K
+
+    b = np.ascontiguousarray(raw).reshape(-1, 176)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
+    ql = (b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    qh = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 0x01
+    q = (ql.reshape(-1, 8, 32) | (qh << 4)).astype(np.int8)
+    scale = torch.from_numpy((d * sc).reshape(n, k // GROUP))
+    return Int8Weight(torch.from_numpy(q.reshape(n, k)), scale.repeat_interleave(2, 1),
+                      torch.from_numpy((-dmin * m).reshape(n, k // GROUP)))
+
+
 def gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Weight | Int8Weight:
-    """A GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 tensor (raw bytes, [N, bytes per row]) as codes and
-    scales, exactly: Q4 blocks as w = (q - 8) * d + zero, Q8_0 blocks as codes with one scale per
-    block of 32 inputs."""
+    """A GGUF Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_K / Q6_K / Q8_0 tensor (raw bytes, [N, bytes per row])
+    as codes and scales, exactly: Q4 blocks as w = (q - 8) * d + zero, Q8_0 and Q5_0 blocks as int8
+    codes with one scale per block of 32 inputs, Q6_K and Q5_K in the int8 k-quant form."""
     n, k = shape
     if kind == "Q4_K":
         return _q4_k(raw, n, k)
+    if kind == "Q6_K":
+        return _q6_k(raw, n, k)
+    if kind == "Q5_K":
+        return _q5_k(raw, n, k)
     blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, -1)
     if kind == "Q8_0":
         q, d = _q8_0(blocks)
@@ -85,16 +121,25 @@ def gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Weigh
     return Int4Weight(q, d_t, torch.zeros_like(d_t))  # w = d * (q - 8)
 
 
+def _k_form(w: Int4Weight | Int8Weight) -> Int8Weight:
+    """Any kept part in the int8 k-quant form (a Q4 part as codes q - 8, its scale and offset)."""
+    if isinstance(w, Int4Weight):
+        return Int8Weight((w.q - 8).to(torch.int8), w.scale.repeat_interleave(2, 1), w.zero)
+    return w.as_split()
+
+
 def _cat(ws: list[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
     if isinstance(ws[0], Int4Weight):
         return Int4Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]),
                           torch.cat([w.zero for w in ws]))
-    return Int8Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]))
+    zero = None if ws[0].zero is None else torch.cat([w.zero for w in ws])
+    return Int8Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]), zero)
 
 
 class KeptParts(Mapping):
-    """The fused layer linears whose GGUF parts all share one kept layout ("Q4" for Q4_0/Q4_1/Q4_K,
-    or "Q8_0"): ``layers.3.mlp.gate_up_proj`` -> (layout, codes and scales in the model's row
+    """The fused layer linears whose GGUF parts are all of kept types, with their layout ("Q4" for
+    Q4_0/Q4_1/Q4_K, "Q8_0" for Q8_0/Q5_0, "Q8K" for Q6_K/Q5_K or a mix): ``layers.3.mlp.gate_up_proj``
+    -> (layout, codes and scales in the model's row
     order). Which linears qualify is known from the index alone; a linear's blocks are read from
     the file when it is looked up, so a load holds one linear's codes at a time."""
 
@@ -111,16 +156,17 @@ class KeptParts(Mapping):
         self.slots: dict[str, list[TensorEntry]] = {}
         self.layouts: dict[str, str] = {}
         for name, slots in found.items():
-            # Q4_0, Q4_1 and Q4_K share one layout (codes, scale, offset): a layer may mix them; a
-            # part of another type (a Q4_K_M file's Q6_K attn_v) leaves the fused linear dense
-            kinds = {"Q4" if e.kind.startswith("Q4") else "Q8_0" for e in slots.values()}  # Q5_0: int8 codes
-            if len(slots) == _PARTS[name.split(".", 2)[2]] and len(kinds) == 1:
+            # parts of one layout fuse as they are; mixed ones (a Q4_K_M file's Q4_K q/k with a
+            # Q6_K v) all take the int8 k-quant form, the Q4 parts at a byte a code
+            kinds = {_LAYOUT[e.kind] for e in slots.values()}
+            if len(slots) == _PARTS[name.split(".", 2)[2]]:
                 self.slots[name] = [slots[i] for i in sorted(slots)]
-                self.layouts[name] = kinds.pop()
+                self.layouts[name] = kinds.pop() if len(kinds) == 1 else "Q8K"
 
     def __getitem__(self, name: str) -> tuple[str, Int4Weight | Int8Weight]:
         parts = [gguf_blocks(self.index.raw(e), e.kind, e.shape) for e in self.slots[name]]
-        return self.layouts[name], _cat(parts)
+        layout = self.layouts[name]
+        return layout, _cat([_k_form(p) for p in parts] if layout == "Q8K" else parts)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.slots)

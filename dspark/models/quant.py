@@ -62,16 +62,36 @@ class Int4Weight:
 @dataclass
 class Int8Weight:
     """8-bit codes ([N, K] int8) with float32 scales, one per output channel ([N]) or, as a GGUF's
-    Q8_0 blocks, one per group of 32 inputs ([N, K / GROUP]): w = q * scale."""
+    Q8_0 blocks, one per group of 32 inputs ([N, K / GROUP]): w = q * scale. The k-quant form (a
+    GGUF's Q6_K / Q5_K / Q4_K blocks as int8 codes) has a scale per 16 inputs ([N, K / 16]) and/or
+    an offset per group (``zero`` [N, K / GROUP]): w = q * scale + zero."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    zero: torch.Tensor | None = None
+
+    @property
+    def split(self) -> bool:
+        """Whether this is the k-quant form (per-16 scales or offsets)."""
+        return self.zero is not None or (self.scale.dim() == 2 and self.scale.shape[1] == 2 * self.q.shape[1] // GROUP)
 
     def dequantize(self) -> torch.Tensor:
         if self.scale.dim() == 1:
             return self.q.float() * self.scale[:, None]
         n, k = self.q.shape
-        return (self.q.float().view(n, k // GROUP, GROUP) * self.scale[..., None]).view(n, k)
+        per = k // self.scale.shape[1]
+        w = (self.q.float().view(n, -1, per) * self.scale[..., None]).view(n, k)
+        if self.zero is not None:
+            w = (w.view(n, k // GROUP, GROUP) + self.zero[..., None]).view(n, k)
+        return w
+
+    def as_split(self) -> Int8Weight:
+        """The same weight in the k-quant form (per-16 scales, offsets), to fuse with such parts."""
+        if self.scale.dim() == 1:
+            raise ValueError("a per-channel int8 weight has no k-quant form")
+        scale = self.scale if self.split else self.scale.repeat_interleave(2, 1)
+        zero = self.zero if self.zero is not None else torch.zeros(self.q.shape[0], self.q.shape[1] // GROUP)
+        return Int8Weight(self.q, scale, zero)
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Weight:
@@ -201,7 +221,8 @@ class Int8Linear(_WeightOnly):
 
 
 class Q8Linear(_WeightOnly):
-    """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0) on AMX tiles or VNNI,
+    """A linear as int8 codes with one fp16 scale per 32 inputs (GGUF's Q8_0; with int8_rows also
+    the k-quant form, a scale per 16 inputs and an offset per 32, GGUF's Q6_K / Q5_K) on AMX tiles or VNNI,
     bf16 in and out (on AVX2, float32 with int8_rows only): half a bf16 weight's bytes read per
     call, at a cost that hardly grows up to 16 rows on AMX.
     Each row's result depends on that row alone, so prompt rows need no dense copy (prefill_dense
@@ -211,12 +232,16 @@ class Q8Linear(_WeightOnly):
     other path). Both paths give a row the same bits alone or in any batch."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, amx, bias: torch.Tensor | None = None,  # noqa: ANN001
-                 int8_rows: bool = False, dtype: torch.dtype = torch.bfloat16, prefill_dense: bool = False):
+                 int8_rows: bool = False, dtype: torch.dtype = torch.bfloat16, prefill_dense: bool = False,
+                 zero: torch.Tensor | None = None):
         super().__init__()
         self.amx = amx
-        deq = Int8Weight(codes, scale.half().float()).dequantize  # the kernel's fp16 scales
+        w = Int8Weight(codes, scale.half().float(), None if zero is None else zero.half().float())  # the kernel's fp16
+        if w.split and not int8_rows:
+            raise ValueError("Q8Linear: per-16 scales and offsets (k-quants) need int8_rows")
+        deq = w.dequantize
         if int8_rows:
-            packed, scale, sums = amx.pack8(codes, scale)
+            packed, scale, sums = amx.pack8(codes, scale, zero)
         else:
             (packed, scale), sums = amx.pack(codes, scale), torch.empty(0, dtype=torch.int32)
         self.register_buffer("packed", packed)

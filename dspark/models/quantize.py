@@ -66,7 +66,7 @@ def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torc
     ours = dtype == torch.float32 and cpu_ops.quant_dtype() == torch.float32
     if not ours and dtype not in (torch.bfloat16, torch.float16):
         return "none"
-    return {"Q4": "int4", "Q8_0": "int8"}.get(file_kind or "", "none")
+    return {"Q4": "int4", "Q8_0": "int8", "Q8K": "int8"}.get(file_kind or "", "none")
 
 
 def _ours(dtype: torch.dtype, device: torch.device):  # noqa: ANN202 - the compiled kernels or None
@@ -78,7 +78,7 @@ def _from_blocks(mode: str, layout: str, rows: int, device: torch.device, dtype:
     kind = _resolve(mode, layout, device, dtype)
     if kind == "int4":
         return layout == "Q4"
-    if kind != "int8" or layout != "Q8_0":
+    if kind != "int8" or layout not in ("Q8_0", "Q8K"):
         return False
     if _ours(dtype, device) is not None and rows % 32 == 0:
         return True  # Q8Linear
@@ -92,7 +92,7 @@ def plan_file_blocks(mode: str, folder: str, device: torch.device, dtype: torch.
     from dspark.models.gguf_blocks import kept_blocks
 
     check_quantization(mode)
-    if all(_resolve(mode, kind, device, dtype) == "none" for kind in ("Q4", "Q8_0")):
+    if all(_resolve(mode, kind, device, dtype) == "none" for kind in ("Q4", "Q8_0", "Q8K")):
         return None, frozenset()
     kept = kept_blocks(folder)
     if kept is None:
@@ -165,10 +165,11 @@ def _build(lin: Linear, kind: str, parts: tuple[str, Int4Weight | Int8Weight] | 
     dense_copy = prefill_dense and packable  # prompt rows in one GEMM, at 2 bytes a weight
     if parts is not None:
         w = parts[1]  # the file's own codes, fused along the output dimension
-        if kind == "int8":  # Q8_0 blocks: ours take them as they are, torch's one scale per row
+        if kind == "int8":  # Q8_0 / k-quant blocks: ours take them as they are, torch's one scale per row
             amx = _ours(dtype, device)
             if amx is not None and w.q.shape[0] % 32 == 0:
-                return Q8Linear(w.q, w.scale, amx, lin.bias, int8_rows=True, dtype=dtype, prefill_dense=dense_copy)
+                return Q8Linear(w.q, w.scale, amx, lin.bias, int8_rows=True, dtype=dtype, prefill_dense=dense_copy,
+                                zero=w.zero)
             w = quantize_int8(w.dequantize())
     else:
         if kind == "int8" and mode == "auto":

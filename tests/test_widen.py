@@ -220,6 +220,20 @@ def test_widened_drafter_drafts_what_the_original_drafts(pair, linears, monkeypa
         assert same >= 0.9 * sum(len(t) for t, _ in da), (same, da, db)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_widened_pair_trees_equal_plain(pair, dtype):
+    """Draft trees (and chains under the load-aware policy with the n-gram assist, the defaults) from
+    the widened drafter on the widened target: greedy output equals plain decoding of that target,
+    in float32 and in bf16 (where the CPU kernels run the layers)."""
+    reqs = [(p, GREEDY, None) for p in PROMPTS]
+    plain = run_requests(make_engine(pair["wide"], dtype=dtype), reqs, spec=False)
+    for opts in ({"tree": True, "tree_budget": 12, "policy": "fixed"}, {}):
+        engine = make_engine(pair["wide"], pair["wide_drafter"], dtype=dtype, **opts)
+        outs = run_requests(engine, reqs)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain], opts
+        assert engine.spec_stats.verified > 0, opts
+
+
 def _write_gguf(folder: str, path: Path) -> None:
     """The tiny HF target as an F32 llama GGUF, q/k rows interleaved as llama.cpp stores them,
     tokenizer metadata copied from the default model's GGUF."""

@@ -47,6 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-decode-stall-ms", type=float, default=None,
+                   help="while requests decode, cut prefill chunks so that a step's target pass, as the "
+                        "measured cost profile predicts it, stays under this many ms (at least a page of "
+                        "prompt tokens per step still goes through); default: no bound, the token budget alone")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (used by default on CUDA with the flashinfer backend)")
     p.add_argument("--enable-prefix-caching", action="store_true",
@@ -94,6 +98,7 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
                         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_decode_stall_ms=args.max_decode_stall_ms,
                         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                         tensor_parallel_size=args.tensor_parallel_size, chat_template=args.chat_template,
                         spec=spec)

@@ -268,6 +268,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's context length
     max_num_batched_tokens: int = 2048  # tokens per forward (prefill chunking)
+    # while requests decode, prefill chunks are cut so that a step's target pass, as the measured
+    # cost model predicts it, stays under this many ms (None: the token budget alone)
+    max_decode_stall_ms: float | None = None
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the flashinfer backend)
     enable_prefix_caching: bool = False  # share the KV pages of identical prompt prefixes (vLLM's)
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
@@ -286,6 +289,11 @@ class EngineConfig:
         if self.kv_cache_tokens < self.page_size:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one page "
                              f"({self.page_size} tokens)")
+        stall = self.max_decode_stall_ms
+        if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool)
+                                  or not 0 < stall < float("inf")):  # NaN fails too
+            raise ValueError(f"max_decode_stall_ms must be a number of milliseconds > 0 (None: no bound), "
+                             f"got {stall!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 (None: the model's), got {self.max_model_len!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):

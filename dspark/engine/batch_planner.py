@@ -3,10 +3,16 @@
 Decoding requests come first, each reserving the pages for its anchor and its drafts; when the
 pool runs short, the newest request is preempted (its pages freed, recomputed later), first
 come, first served as in vLLM. Prefill chunks fill the rest of the token budget, leaving free
-the pages the decoding requests need to draft again next step.
+the pages the decoding requests need to draft again next step. Under a decode-stall bound
+(EngineConfig.max_decode_stall_ms) a step with decoding requests takes only as many prefill
+tokens as keep its predicted target pass within the bound, as Sarathi-Serve sizes its chunks
+to a time-between-tokens goal: a long prompt then reaches the decoding requests in slices
+instead of one long step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from dspark.config import EngineConfig
 from dspark.engine.kv_cache import PagePool
@@ -14,10 +20,16 @@ from dspark.engine.sequence import Sequence, Status
 
 
 class BatchPlanner:
-    """Owns the waiting and running queues and plans each step under a token and page budget."""
+    """Owns the waiting and running queues and plans each step under a token and page budget.
+    cost: seconds of a target pass of n tokens (policy.CostModel), needed under a decode-stall
+    bound."""
 
-    def __init__(self, config: EngineConfig, pool: PagePool, spec):
-        self.config, self.pool, self.spec = config, pool, spec
+    def __init__(self, config: EngineConfig, pool: PagePool, spec, cost: Callable[[int], float] | None = None):
+        self.config, self.pool, self.spec, self.cost = config, pool, spec, cost
+        stall = config.max_decode_stall_ms
+        if stall is not None and cost is None:
+            raise ValueError("a decode-stall bound needs the target's cost model")
+        self.stall_seconds = stall / 1000 if stall is not None else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -60,7 +72,26 @@ class BatchPlanner:
             self.pool.reserve(seq.seq_id, need)
             decode.append(seq)
             budget -= need - seq.num_cached
+        if decode:
+            budget = min(budget, self.prefill_cap(self.config.max_num_batched_tokens - budget))
         return decode, self._plan_prefill(decode, budget, preempted)
+
+    def prefill_cap(self, decode_tokens: int) -> int:
+        """Most prefill tokens a step whose decoding requests reserved decode_tokens may add under
+        the decode-stall bound: the most whose pass cost(decode_tokens + n) stays within it (the
+        reserved tokens count every draft slot, so a step the policy cuts runs shorter). At least
+        a page, so that a prompt still advances while the decodes alone take the whole bound."""
+        top = self.config.max_num_batched_tokens
+        if self.stall_seconds is None or self.cost(decode_tokens + top) <= self.stall_seconds:
+            return top
+        lo, hi = 0, top  # cost(decode_tokens + lo) within the bound (or lo = 0), cost(... + hi) past it
+        while hi - lo > 1:  # the cost never falls as tokens grow (CostModel prices a monotone envelope)
+            mid = (lo + hi) // 2
+            if self.cost(decode_tokens + mid) <= self.stall_seconds:
+                lo = mid
+            else:
+                hi = mid
+        return max(lo, self.pool.page_size)
 
     def _plan_prefill(self, decode: list[Sequence], budget: int, preempted: bool) -> list[tuple[Sequence, int]]:
         prefill: list[tuple[Sequence, int]] = []

@@ -28,6 +28,7 @@ from dspark.engine.detokenizer import decode_new_text, find_stop
 from dspark.engine.kv_cache import KVCache, PagePool
 from dspark.engine.logprobs import attach_logprobs, attach_prompt_logprobs
 from dspark.engine.model_runner import ModelRunner
+from dspark.engine.policy import CostModel
 from dspark.engine.prompts import ChatPrompt, bad_word_token_ids, encode_prompt
 from dspark.engine.proposal import Proposal, TargetView
 from dspark.engine.proposers import make_spec_runner
@@ -85,17 +86,28 @@ class Engine:
                                      default_model=config.model is None)
         self._fit_context(num_pages * page_size)
         self.spec.max_model_len = self.max_model_len
+        self.spec.shared_prefixes = self.pool.prefix_caching
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer" \
                 and self.workers is None:
             self.enable_graphs(capture=True)
-        self.spec.calibrate(lambda: profile.load_or_measure(self))
-        self.planner = BatchPlanner(config, self.pool, self.spec)
+        # a target pass's seconds by its tokens, measured once complete (CUDA graphs change them):
+        # one model for the load-aware policy and the decode-stall bound, learning from real steps
+        self.cost: CostModel | None = None
+        self.spec.calibrate(self._cost_model)
+        if config.max_decode_stall_ms is not None:
+            self._cost_model()
+        self.planner = BatchPlanner(config, self.pool, self.spec, self.cost)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)  # for requests without their own seed
         self._grammars: GrammarCache | None = None  # compiled on the first structured-output request
         self.draft_time = 0.0  # wall seconds spent in the drafter's proposals (bench: draft_share)
         self._finished_pending: list[Sequence] = []
+
+    def _cost_model(self) -> CostModel:
+        if self.cost is None:
+            self.cost = profile.load_or_measure(self)
+        return self.cost
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
@@ -210,6 +222,8 @@ class Engine:
     # ---------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """Run one forward over everything schedulable; return outputs of touched requests."""
+        # whether this step drafts is known before it is planned: a paused step reserves no draft slots
+        self.spec.begin_step([s for s in self.planner.running if not s.in_prefill])
         decode, prefill = self.planner.plan()
         if not decode and not prefill:
             return self._drain_finished([])
@@ -228,7 +242,8 @@ class Engine:
             final = seq.num_cached + n == seq.prefill_target and not seq.output_ids
             works.append(Work(seq, "prefill", seq.all_ids[seq.num_cached:seq.num_cached + n], samples=final))
         items, rows, mask, masks, positions = layout(works)
-        result = self.runner.forward(items, rows, capture=self.spec.capture_layers, mask=mask,
+        capture = self.spec.capture_for([w.seq for w in works])
+        result = self.runner.forward(items, rows, capture=capture, mask=mask,
                                      custom_masks=masks, positions=positions,
                                      prompt_rows=[w.prompt_rows for w in works])
         accept(works, result.logits)
@@ -236,7 +251,10 @@ class Engine:
         attach_prompt_logprobs(works, result.hidden, self.runner)
         touched = self._commit(works, result)
         if not prefill:  # the acceptance read the logits, so the pass has finished on any device
-            self.spec.observe_step(len(rows), time.perf_counter() - t0 - t_draft)
+            seconds = time.perf_counter() - t0 - t_draft
+            self.spec.observe_step(len(rows), seconds)  # the policy's cost model, if it prices steps
+            if self.cost is not None and self.cost is not getattr(self.spec.policy, "cost", None):
+                self.cost.observe(len(rows), seconds)  # the stall bound's alone
         return self._drain_finished(touched)
 
     def _commit(self, works: list[Work], result) -> list[Sequence]:

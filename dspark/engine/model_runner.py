@@ -68,6 +68,7 @@ class ModelRunner:
         out = self._graph_forward(batch, ids, capture, positions is not None)
         if out is not None:
             hidden, feats = out
+            feats = feats if capture else None
             logits = self.logits(hidden[torch.tensor(logit_rows, device=self.device)]) if logit_rows else None
         else:
             step = StepInput(ids, pos, batch, tuple(capture), prompt_rows, logit_rows or None)
@@ -94,8 +95,10 @@ class ModelRunner:
         copy_slots(self.kv, src, dst)
 
     def _graph_forward(self, batch: AttnBatch, ids, capture, custom_positions: bool):
-        """(hidden, feats) from a graph pool when one fits this batch, else None."""
-        if not self.graphs or custom_positions or tuple(capture) != self.graph_capture_layers:
+        """(hidden, feats) from a graph pool when one fits this batch, else None. A pass that
+        captures nothing still replays the graphs (their capture costs a copy, an eager pass a
+        launch per kernel)."""
+        if not self.graphs or custom_positions or tuple(capture) not in ((), self.graph_capture_layers):
             return None
         longest = max(batch.q_lens)
         q = next((n for n in sorted(self.graphs) if n >= longest), None)

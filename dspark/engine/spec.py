@@ -1,10 +1,19 @@
 """Speculation glue between the engine and a proposer: draft budgets, the n-gram assist composed
-with a neural proposer, the verify-length controller, and the per-step Proposals."""
+with a neural proposer, the verify-length controller, and the per-step Proposals.
+
+A step whose drafting the controller pauses is decided before the step is planned (begin_step),
+so that it costs what a step without a drafter costs: each request reserves and is charged one
+slot (plus a looked-up chain, where the policy would verify one), no drafter pass runs, nothing
+is looked up that the policy would cut, and the drafter's context writes wait for the pause to
+end (drafter_context.py). The target pass still captures the drafter's feature layers: see
+DrafterContext for why capturing them beats recomputing them when drafting resumes."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+import torch
 
 from dspark.config import SpecConfig
 from dspark.engine.assist import NgramAssist
@@ -40,6 +49,11 @@ class SpecRunner:
         priced = neural or (proposer.num_drafts > 0 and cfg.policy == "load-aware")
         self.controller = VerifyLengthController(policy, stats, cfg.tree and neural, free_drafts=not neural) \
             if priced else None
+        # this step's mode (begin_step): drafting paused, and whether a paused step looks chains up
+        self.paused, self.lookups = False, self.assist is not None
+        # prefix caching shares pages, and with them the drafter's context at their slots: then
+        # every request keeps its context, drafting or not (the engine sets it)
+        self.shared_prefixes = False
 
     @property
     def graphs(self):  # noqa: ANN201 - cuda_graphs.GraphPool
@@ -62,7 +76,11 @@ class SpecRunner:
     def draft_budget(self, seq: Sequence, cap: int | None = None) -> int:
         """Most draft tokens worth verifying for seq (cap: instead of the block size, unless the
         request set its own): never past max_tokens or the context."""
-        if not seq.spec_enabled or seq.plain_step or not self.block_size:
+        return 0 if seq.plain_step else self._room(seq, cap)
+
+    def _room(self, seq: Sequence, cap: int | None = None) -> int:
+        """draft_budget before the planner knows whether seq's drafts fit the free pages."""
+        if not seq.spec_enabled or not self.block_size:
             return 0
         block = seq.block_size or cap or self.block_size
         left = seq.params.max_tokens - len(seq.output_ids) - 1
@@ -93,16 +111,46 @@ class SpecRunner:
         return self.assist.max_len if self.assist is not None else self.block_size
 
     def max_tokens_for(self, seq: Sequence) -> int:
-        """Cache slots beyond num_cached a step may write for seq."""
+        """Cache slots beyond num_cached this step may write for seq (after begin_step)."""
         budget = self.draft_budget(seq)
         if not budget:
             return 1
+        if self.paused:  # no drafter pass: at most a looked-up chain after the anchor
+            return 1 + self.lookup_budget(seq) if self.lookups else 1
         nodes = self.cfg.tree_budget if self.cfg.tree else budget
         if self.assist is not None:  # room for a looked-up chain longer than a block
             nodes = max(nodes, self.lookup_budget(seq))
         return max(1 + nodes, self.proposer.forward_tokens)
 
     # ------------------------------------------------------------------ one step
+    def begin_step(self, seqs: list[Sequence]) -> None:
+        """Decide, before the step is planned, whether it drafts: seqs are the decoding requests.
+        A paused step reserves no draft slots (max_tokens_for), so it leaves the token budget and
+        the pages to prefill as a step without a drafter would."""
+        self.paused, self.lookups = False, self.assist is not None
+        if self.controller is None or self.proposer.deterministic:
+            return
+        rooms = [b for b in map(self._room, seqs) if b > 0]
+        if not rooms:
+            return
+        self.paused = self.controller.paused(len(rooms), max(rooms))
+        if self.paused and self.assist is not None:
+            # the prefill tokens are not planned yet: priced as none (propose checks again)
+            self.lookups = self._lookups_pay(len(seqs), 0)
+
+    def _lookups_pay(self, rows: int, other_tokens: int) -> bool:
+        """Whether the policy would verify any looked-up token in a pass of `rows` decoding rows
+        and other_tokens prefill tokens with no drafter pass to pay. Every looked-up chain has the
+        same prior survival, highest at its first token, and the policies admit candidates best
+        first: if one chain's first token is not worth its row, no looked-up token is, so the
+        lookups themselves can be skipped."""
+        policy = self.policy
+        if policy is None:
+            return True
+        conf = torch.zeros(rows, 1)
+        conf[0] = self.assist.prior(1)
+        return policy.choose([1] + [0] * (rows - 1), conf, other_tokens, 0.0)[0] > 0
+
     def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, Proposal]:
         """A Proposal per drafting request; other_tokens: prefill tokens in the same pass."""
         if self.assist is not None:
@@ -119,9 +167,9 @@ class SpecRunner:
             plain = [Draft([])] * (len(seqs) - len(active))  # found for free: priced, no pass to pay
             chosen = self.controller.choose(drafts + plain, budgets + [0] * len(plain), other_tokens, 0.0)
             return dict(zip([s.seq_id for s in active], chosen))
-        paused = self.controller.paused(len(active), max(budgets))
-        if paused and self.assist is None:
-            return {}
+        paused = self.paused
+        if paused and (not self.lookups or not self._lookups_pay(len(seqs), other_tokens)):
+            return {}  # a plain step: nothing looked up that the policy would cut anyway
         t0 = time.perf_counter()
         looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
         if paused and not looked:
@@ -163,7 +211,18 @@ class SpecRunner:
             for seq, _, kept in ctx_rows:
                 self.assist.observe(seq.seq_id, len(kept) - 1)
         paused = self.controller is not None and self.controller.skip_steps > 0
+        if result.feats is None:  # a pass without requests that keep a context (capture_for)
+            ctx_rows = []
+        elif not self.shared_prefixes:  # a request that never drafts needs none
+            ctx_rows = [r for r in ctx_rows if r[0].spec_enabled]
         self.proposer.commit(ctx_rows, result.feats, flush=not paused)
+
+    def capture_for(self, seqs: list[Sequence]) -> tuple[int, ...]:
+        """The target layers this step's pass captures for the proposer's context: none when no
+        request in it may ever draft (and no shared prefix may need its context)."""
+        if self.shared_prefixes or any(s.spec_enabled for s in seqs):
+            return self.capture_layers
+        return ()
 
     def release(self, seq_id: int) -> None:
         """seq_id finished or was preempted: drop what is kept across its steps."""

@@ -1,0 +1,142 @@
+"""The decode-stall bound (--max-decode-stall-ms): while requests decode, a step's prefill tokens
+are capped so that its target pass, as the cost model predicts it, stays under the bound; with
+nothing decoding, prefill takes the whole token budget. A long prompt arriving beside decoding
+requests is sliced accordingly, and the outputs equal an unsliced run's."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from spec_helpers import alphabet_prompts, make_engine
+from test_batch_planner import FakeSpec, _running, _seq
+
+from dspark.config import EngineConfig, SamplingParams
+from dspark.engine.batch_planner import BatchPlanner
+from dspark.engine.kv_cache import PagePool
+from dspark.engine.policy import CostModel
+
+PAGE = 4
+
+
+def ms_per_token(n: int) -> float:
+    """A fake target: 2 ms a pass plus 0.5 ms a token."""
+    return 2e-3 + 0.5e-3 * n
+
+
+def _planner(bound_ms: float | None, budget: int = 256, drafts: int = 3, cost=ms_per_token) -> BatchPlanner:
+    cfg = EngineConfig(page_size=PAGE, max_num_batched_tokens=budget, max_num_seqs=8, max_decode_stall_ms=bound_ms)
+    return BatchPlanner(cfg, PagePool(256, PAGE), FakeSpec(drafts), cost)
+
+
+def _prefill_steps(p: BatchPlanner, seq) -> list[tuple[int, int]]:
+    """Plan steps until seq's prompt is cached: (decode tokens reserved, seq's chunk) per step."""
+    p.waiting.append(seq)
+    steps = []
+    while seq.num_cached < seq.prefill_target:
+        decode, prefill = p.plan()
+        reserved = sum(p.spec.max_tokens_for(s) for s in decode)
+        chunk = sum(n for s, n in prefill if s is seq)
+        seq.num_cached += chunk  # what the engine's commit does
+        steps.append((reserved, chunk))
+        assert len(steps) < 100
+    return steps
+
+
+def test_long_prompt_beside_decoding_requests_is_sliced_under_the_bound():
+    p = _planner(bound_ms=20.2)
+    for i in range(2):
+        _running(p, _seq(i, 6, out=1))
+    steps = _prefill_steps(p, _seq(9, 100))
+    # 2 requests x (anchor + 3 drafts) = 8 reserved tokens; 2 + 0.5 (8 + n) <= 20.2 -> n <= 28
+    assert steps == [(8, 28), (8, 28), (8, 28), (8, 16)]
+    assert all(ms_per_token(r + n) <= 20.2e-3 for r, n in steps)
+
+
+def test_without_decoding_requests_prefill_takes_the_whole_budget():
+    steps = _prefill_steps(_planner(bound_ms=20.0, budget=64), _seq(9, 100))
+    assert steps == [(0, 64), (0, 36)]
+
+
+def test_no_bound_keeps_the_token_budget():
+    p = _planner(bound_ms=None, budget=64)
+    for i in range(2):
+        _running(p, _seq(i, 6, out=1))
+    assert _prefill_steps(p, _seq(9, 100)) == [(8, 56), (8, 44)]
+
+
+def test_decodes_past_the_bound_still_let_a_page_through():
+    p = _planner(bound_ms=5.0)  # 2 + 0.5 x 8 = 6 ms for the decodes alone
+    for i in range(2):
+        _running(p, _seq(i, 6, out=1))
+    assert {n for _, n in _prefill_steps(p, _seq(9, 20))} == {PAGE}
+
+
+def test_the_cap_follows_a_measured_cost_model():
+    """A piecewise-linear CostModel (as the engine profiles it): the largest chunk under the bound."""
+    cost = CostModel([1, 16, 64, 256], [0.010, 0.012, 0.020, 0.060], frozen=True)
+    p = _planner(bound_ms=30.0, cost=cost)
+    _running(p, _seq(0, 6, out=1))
+    cap = p.prefill_cap(4)
+    assert cost(4 + cap) <= 0.030 < cost(4 + cap + 1)
+
+
+def test_a_bound_needs_a_cost_model():
+    with pytest.raises(ValueError, match="cost model"):
+        _planner(bound_ms=20.0, cost=None)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "20"])
+def test_bad_bounds_are_refused(value):
+    with pytest.raises(ValueError, match="max_decode_stall_ms"):
+        EngineConfig(max_decode_stall_ms=value).validate()
+
+
+def test_cli_flag():
+    from dspark.cli import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args([])).max_decode_stall_ms is None
+    assert engine_config(p.parse_args(["--max-decode-stall-ms", "25"])).max_decode_stall_ms == 25.0
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("drafter,bound_ms", [("none", 30.0), ("dspark", 40.0)])
+def test_sliced_prefill_keeps_outputs(folders, monkeypatch, drafter, bound_ms):
+    """Greedy, tiny model: a 150-token prompt arrives while two requests decode; under the bound
+    (a fake cost of 1 ms per token) every step's predicted pass stays within it and the prompt
+    goes in slices; all outputs equal those of an unbounded run."""
+    pytest.importorskip("transformers")
+    cost = CostModel([1, 256], [0.001, 0.256], frozen=True)  # n tokens: n ms
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: cost)
+    prompts = alphabet_prompts([20, 25, 150], seed=21)
+    sp = SamplingParams(temperature=0.0, max_tokens=30)
+    name = folders[drafter] if drafter != "none" else "none"
+    runs = []
+    for bound in (None, bound_ms):
+        engine = make_engine(folders["target"], name, max_decode_stall_ms=bound, ngram_assist=0)
+        assert (engine.cost is cost) == (bound is not None)
+        plan, steps = engine.planner.plan, []
+
+        def spied(plan=plan, engine=engine, steps=steps):
+            decode, prefill = plan()
+            steps.append((sum(engine.spec.max_tokens_for(s) for s in decode), sum(n for _, n in prefill)))
+            return decode, prefill
+
+        monkeypatch.setattr(engine.planner, "plan", spied)
+        for i, p in enumerate(prompts[:2]):
+            engine.add_request(f"r{i}", p, dataclasses.replace(sp))
+        done, k = {}, 0
+        while engine.has_unfinished() or k == 0:
+            if k == 3:
+                engine.add_request("long", prompts[2], dataclasses.replace(sp))
+            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+            k += 1
+        runs.append(([done["r0"], done["r1"], done["long"]], steps))
+    (plain, unbounded), (outs, bounded) = runs
+    assert outs == plain
+    beside = [(r, n) for r, n in bounded if r and n]  # steps that prefill beside decodes
+    assert len(beside) >= 5 and all(cost(r + n) <= bound_ms / 1000 for r, n in beside)
+    assert max(n for r, n in unbounded if r) >= 140  # unbounded: the prompt in one step

@@ -1,0 +1,226 @@
+"""A step that drafts nothing costs what a step without a drafter costs, and drafting resumed after
+a pause reads a complete context.
+
+While the verify-length controller pauses drafting, a step runs no drafter pass, writes nothing
+into the drafter's context, reserves and is charged one slot per decoding request (the token
+budget and pages go to prefill as under `--drafter none`), and looks no chain up that the policy
+would not verify. Its target pass still captures the drafter's feature rows, which wait and
+enter the drafter's cache in one batched write when the pause ends (measured in
+dspark/engine/drafter_context.py: capturing costs far less than recomputing them). Requests
+that never draft keep no context, and a pass with only such requests captures nothing.
+Pauses are forced by setting the controller's skip_steps; outputs are greedy and equal plain
+decoding's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from spec_helpers import alphabet_prompts, make_engine, run_requests
+from test_spec_cache import check_caches
+
+from dspark.config import SamplingParams
+from dspark.engine.policy import CostModel
+
+pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def fresh(folders):
+    return make_engine(folders["target"], "none")
+
+
+def _spy(monkeypatch, obj, name: str, calls: list) -> None:
+    """Record each call of obj.name (its arguments) in calls, then make it."""
+    real = getattr(obj, name)
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, spy)
+
+
+def _pause(engine, steps: int) -> None:
+    """Pause drafting for `steps` steps, with no back-off extending the pause."""
+    c = engine.spec.controller
+    c.skip_steps, c.backoff = steps, c.MAX_BACKOFF
+
+
+def _plain(folders, prompts, sp=GREEDY) -> list[list[int]]:
+    outs = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
+    return [o.token_ids for o in outs]
+
+
+def _run(engine, prompts, sp, arrive=None, each_step=None) -> list[list[int]]:
+    """Greedy token ids per prompt; arrive[i]: the step request i is added at (default 0);
+    each_step(i) runs before step i."""
+    arrive = arrive or [0] * len(prompts)
+    done, step = {}, 0
+    while len(done) < len(prompts):
+        for i, (p, at) in enumerate(zip(prompts, arrive)):
+            if at == step:
+                engine.add_request(f"p{i}", p, dataclasses.replace(sp))
+        if each_step is not None:
+            each_step(step)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        step += 1
+        assert step < 2000
+    return [done[f"p{i}"] for i in range(len(prompts))]
+
+
+def test_paused_steps_run_no_drafter_work(folders, fresh, monkeypatch):
+    """Paused steps: no drafter forward, no context write, one-token chains, one slot charged per
+    decoding request (a prompt arriving meanwhile gets the rest of the budget, as without a
+    drafter); the pause's last step writes every queued row in one call, and the next step
+    drafts from a context equal to a fresh computation."""
+    budget, pause = 64, 6
+    engine = make_engine(folders["target"], folders["dspark"], ngram_assist=0, max_num_batched_tokens=budget)
+    drafter, forwards, writes, passes = engine.spec.proposer.drafter, [], [], []
+    _spy(monkeypatch, drafter, "block_hidden", forwards)
+    _spy(monkeypatch, drafter, "write_context", writes)
+    _spy(monkeypatch, engine.runner, "forward", passes)
+    sp = dataclasses.replace(GREEDY, max_tokens=60)
+    prompts = alphabet_prompts([20, 25, 30, 150], seed=12)
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(f"p{i}", p, dataclasses.replace(sp))
+    while any(s.in_prefill for s in engine.running) or engine.waiting:
+        engine.step()
+    engine.step()
+    assert forwards  # drafting ran before the pause
+    _pause(engine, pause)
+    engine.add_request("p3", prompts[3], dataclasses.replace(sp))  # prefills during the pause
+    queued, left = 0, len(prompts[3])
+    for k in range(pause):
+        forwards.clear(), writes.clear(), passes.clear()
+        decoding = [s for s in engine.running if not s.in_prefill]
+        engine.step()
+        (items, _), kwargs = passes[0]
+        assert not forwards
+        assert [len(t) for s, t in items if s in decoding] == [1] * len(decoding)  # anchors only
+        chunk = sum(len(t) for s, t in items if s not in decoding)
+        assert chunk == min(budget - len(decoding), left)  # one slot charged per decoding request
+        left -= chunk
+        # the features are captured and queued for the catch-up, not written
+        assert kwargs["capture"] == engine.spec.capture_layers
+        queued += sum(len(t) for _, t in items)
+        if k < pause - 1:
+            assert not writes and engine.spec.proposer.context.pending_rows == queued
+    assert left == 0
+    assert len(writes) == 1 and writes[0][0][0].shape[0] == queued  # the catch-up: one batched write
+    assert not engine.spec.proposer.context.pending
+
+    block_pass, read = engine.spec.proposer._block_pass, []
+
+    def checked(seqs):
+        for s in seqs:
+            check_caches(engine, fresh, s)
+        read.append(len(seqs))
+        return block_pass(seqs)
+
+    monkeypatch.setattr(engine.spec.proposer, "_block_pass", checked)
+    decoding = [s for s in engine.running if not s.in_prefill]
+    engine.step()
+    assert read == [len(decoding)] == [4]
+
+
+def _spy_plans(monkeypatch, engine) -> list[list[int]]:
+    """Per planned step: the slots each decoding request reserved."""
+    plan, plans = engine.planner.plan, []
+
+    def spied():
+        decode, prefill = plan()
+        plans.append([engine.spec.max_tokens_for(s) for s in decode])
+        return decode, prefill
+
+    monkeypatch.setattr(engine.planner, "plan", spied)
+    return plans
+
+
+@pytest.mark.parametrize("cost,looks", [(CostModel([1, 64], [1.0, 1.6], frozen=True), True),
+                                        (CostModel([1, 2, 256], [1.0, 3.0, 511.0], frozen=True), False)],
+                         ids=["cheap", "steep"])
+def test_paused_steps_look_up_only_chains_the_policy_verifies(folders, monkeypatch, cost, looks):
+    """Under a cheap verification cost a paused step still verifies looked-up chains; where even
+    the likeliest looked-up token is not worth its row, it looks nothing up and reserves one slot
+    per request. Output is plain decoding's either way."""
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: cost)
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware")
+    spec, lookups, forwards = engine.spec, [], []
+    _spy(monkeypatch, spec.assist.lookup, "propose", lookups)
+    _spy(monkeypatch, spec.proposer.drafter, "block_hidden", forwards)
+    plans = _spy_plans(monkeypatch, engine)
+    _pause(engine, 10**6)  # from the first decoding step on
+    prompts = alphabet_prompts([15, 20, 31], seed=6)
+    outs = _run(engine, prompts, GREEDY)
+    assert outs == _plain(folders, prompts)
+    assert not forwards and engine.spec_stats.steps > 20
+    if looks:
+        assert lookups and engine.spec_stats.verified > 0
+        assert max(n for plan in plans for n in plan) > 1  # room for the chains
+    else:
+        assert not lookups and engine.spec_stats.verified == 0
+        assert {n for plan in plans for n in plan} == {1}  # as without a drafter
+
+
+def test_requests_that_never_draft_keep_no_context(folders, monkeypatch):
+    """A request with speculation off queues no drafter context; a pass holding only such requests
+    captures no features. Outputs are plain decoding's."""
+    engine = make_engine(folders["target"], folders["dspark"], max_num_batched_tokens=32)
+    commits, passes = [], []
+    _spy(monkeypatch, engine.spec.proposer, "commit", commits)
+    _spy(monkeypatch, engine.runner, "forward", passes)
+    prompts = alphabet_prompts([30, 40], seed=8)
+    engine.add_request("off", prompts[0], dataclasses.replace(GREEDY), spec=False)
+    done = {}
+    for _ in range(4):
+        engine.step()
+    engine.add_request("on", prompts[1], dataclasses.replace(GREEDY))
+    while engine.has_unfinished():
+        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    assert [done["off"], done["on"]] == _plain(folders, prompts)
+    alone = [{s.request_id for s, _ in items} == {"off"} for (items, _), _ in passes]
+    assert [kw["capture"] for _, kw in passes] == [() if a else engine.spec.capture_layers for a in alone]
+    assert alone[:4] == [True] * 4 and not all(alone)
+    rows = [seq.request_id for (ctx_rows, *_), _ in commits for seq, _, _ in ctx_rows]
+    assert rows and set(rows) == {"on"} and engine.spec_stats.accepted > 0
+
+
+@pytest.mark.parametrize("assist", [0, 2])
+def test_drafting_resumed_after_pauses_matches_plain_decoding(folders, fresh, monkeypatch, assist):
+    """Pauses of 3 steps every 7 while prompts arrive and prefill in chunks: every drafter pass
+    reads a context equal to a fresh computation, drafting resumes after each pause, and the
+    output is plain greedy decoding's."""
+    engine = make_engine(folders["target"], folders["dspark"], ngram_assist=assist, max_num_batched_tokens=40)
+    spec = engine.spec
+    block_pass, reads, paused, now = spec.proposer._block_pass, [], set(), [0]
+
+    def checked(seqs):
+        assert not spec.proposer.context.pending
+        for s in seqs:
+            check_caches(engine, fresh, s)
+        reads.append(now[0])
+        return block_pass(seqs)
+
+    monkeypatch.setattr(spec.proposer, "_block_pass", checked)
+
+    def each_step(i):
+        now[0] = i
+        if i % 7 == 3:
+            _pause(engine, 3)
+        if spec.controller.skip_steps:
+            paused.add(i)
+
+    prompts = alphabet_prompts([15, 33, 40, 24], seed=13)
+    outs = _run(engine, prompts, GREEDY, arrive=[0, 0, 5, 12], each_step=each_step)
+    assert outs == _plain(folders, prompts)
+    assert not paused & set(reads) and len(paused) >= 6
+    assert sum(i - 1 in paused for i in reads) >= 2  # drafting resumed right after pauses
+    assert engine.spec_stats.accepted > 0

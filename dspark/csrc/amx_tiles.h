@@ -17,10 +17,16 @@
 #include <vector>
 
 namespace dspark::amx {
+// Up to this many rows a product takes VNNI, past it AMX-INT8 (measured on Sapphire Rapids: per
+// extra row, the tiles' per-group store and combine cost more than VNNI's dot products until about
+// 8 rows for int8 codes and 16 for int4 ones, whose codes VNNI widens once for every row; the
+// k-quant form's two half-group sums never pay on tiles). Either way a row gets the same bits.
 #ifdef DSPARK_AMX
-constexpr int64_t kVnniRows = 8;  // up to this many rows the int4 path takes VNNI, past it AMX-INT8
+constexpr int64_t kVnniRows = 8;
+constexpr int64_t kVnniRowsInt4 = 16;
 #else
 constexpr int64_t kVnniRows = INT64_MAX;  // no tiles: VNNI for every row count
+constexpr int64_t kVnniRowsInt4 = INT64_MAX;
 #endif
 
 #ifdef DSPARK_AMX
@@ -47,17 +53,6 @@ inline void configure(int rows, int a_bytes, int b_rows) {
   _tile_loadconfig(&cfg);
 }
 
-// The k-quant form (mm8 on pack8's split weights) sums each half group apart: tiles 0 and 5 hold
-// A's inputs 0-15 and 16-31 (rows x 16 bytes), tiles 1, 3 and 6, 7 the B quads of those halves
-// (4 x 64 bytes) for two column tiles, tiles 2 and 4 their C.
-inline void configure_split(int rows) {
-  TileConfig cfg;
-  for (int t : {0, 5}) { cfg.colsb[t] = 16; cfg.rows[t] = rows; }
-  for (int t : {1, 3, 6, 7}) { cfg.colsb[t] = 64; cfg.rows[t] = 4; }
-  for (int t : {2, 4}) { cfg.colsb[t] = 64; cfg.rows[t] = rows; }
-  asm volatile("" : : "r"(&cfg) : "memory");  // as configure()'s
-  _tile_loadconfig(&cfg);
-}
 #endif
 
 inline __m512 half16(const uint16_t* p) {

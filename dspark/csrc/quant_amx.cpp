@@ -70,7 +70,7 @@ inline __m512 combine(__m512 acc, __m512i dot, __m512 d, __m512 m, float dx, flo
 void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
              int64_t n, int64_t pairs) {
   const int64_t k = x.size(1), g = k / kGroup, scales = 2 * kCols;
-  const bool vnni = rows <= kVnniRows;
+  const bool vnni = rows <= kVnniRowsInt4;
   const QuantizedRows qr = quantize_batch(x, rows, vnni);
   const int8_t* xqp = qr.xq;
   const float *dxp = qr.dx, *cxp = qr.cx;

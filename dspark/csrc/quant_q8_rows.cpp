@@ -22,13 +22,13 @@ namespace dspark::amx {
 // kSplit (pack8's k-quant form: GGUF's Q6_K, Q5_K, Q4_K in int8 codes): the two halves of a group
 // (vectors 0-3 and 4-7) are summed apart and take their own scales, then the group's offset
 // m * (dx * sum xq), as the int4 kernel's: acc += S_lo * (d_lo * dx); acc += S_hi * (d_hi * dx);
-// acc += m * cx, in that order on either path.
+// acc += m * cx. Always on VNNI (amx_tiles.h says why).
 template <bool kSplit>
 void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, const int32_t* wsp,
                 c10::BFloat16* yp, int64_t n, int64_t pairs) {
   constexpr int64_t kScales = kSplit ? 3 * kCols : kCols, kSums = kSplit ? 2 * kCols : kCols;
   const int64_t k = x.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
-  const bool vnni = rows <= kVnniRows;
+  const bool vnni = kSplit || rows <= kVnniRows;  // the split form: VNNI at any row count (amx_tiles.h)
   const QuantizedRows qr = quantize_batch(x, rows, vnni);
   const int8_t* xqp = qr.xq;
   const float *dxp = qr.dx, *cxp = qr.cx;
@@ -36,14 +36,7 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
     std::vector<__m512> acc(rows * 2);
     __m512i w[2][8];
 #ifdef DSPARK_AMX
-    if (!vnni) {
-      const int tile_rows = static_cast<int>(std::min<int64_t>(rows, 16));
-      if (kSplit) {
-        configure_split(tile_rows);
-      } else {
-        configure(tile_rows, kGroup, 8);
-      }
-    }
+    if (!vnni) configure(static_cast<int>(std::min<int64_t>(rows, 16)), kGroup, 8);
 #endif
     for (int64_t pr = p0; pr < p1; ++pr) {
       const int64_t t = 2 * pr;
@@ -103,35 +96,20 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
           continue;
         }
 #ifdef DSPARK_AMX
-        alignas(64) int32_t ctile[2][2][16 * 16];  // [half][column tile]
+        alignas(64) int32_t ctile[2][16 * 16];
         _tile_loadd(1, wt[0] + gi * tile_bytes, 64);  // the packed layout is the B tile itself
         _tile_loadd(3, wt[1] + gi * tile_bytes, 64);
-        if (kSplit) {
-          _tile_loadd(6, wt[0] + gi * tile_bytes + 256, 64);
-          _tile_loadd(7, wt[1] + gi * tile_bytes + 256, 64);
-        }
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
           _tile_loadd(0, xqp + r0 * k + gi * kGroup, k);
           _tile_zero(2);
           _tile_zero(4);
           _tile_dpbssd(2, 0, 1);
           _tile_dpbssd(4, 0, 3);
-          _tile_stored(2, ctile[0][0], 64);
-          _tile_stored(4, ctile[0][1], 64);
-          if (kSplit) {
-            _tile_loadd(5, xqp + r0 * k + gi * kGroup + 16, k);
-            _tile_zero(2);
-            _tile_zero(4);
-            _tile_dpbssd(2, 5, 6);
-            _tile_dpbssd(4, 5, 7);
-            _tile_stored(2, ctile[1][0], 64);
-            _tile_stored(4, ctile[1][1], 64);
-          }
+          _tile_stored(2, ctile[0], 64);
+          _tile_stored(4, ctile[1], 64);
           const int64_t mr = std::min<int64_t>(16, rows - r0);
           for (int64_t i = 0; i < mr; ++i)
-            for (int j = 0; j < 2; ++j)
-              combine(r0 + i, j, _mm512_load_si512(ctile[0][j] + 16 * i),
-                      kSplit ? _mm512_load_si512(ctile[1][j] + 16 * i) : _mm512_setzero_si512());
+            for (int j = 0; j < 2; ++j) combine(r0 + i, j, _mm512_load_si512(ctile[j] + 16 * i), _mm512_setzero_si512());
         }
 #endif
       }

@@ -249,3 +249,31 @@ def test_int8_rows_match_reference_and_do_not_depend_on_the_batch(rows: int) -> 
         cpu_ops.quant().mm8(torch.zeros(1, 96).to(DT), lin.packed, lin.scale, lin.sums)
     with pytest.raises(RuntimeError, match="pack8 returned"):
         cpu_ops.quant().mm8(x, lin.packed, lin.scale, lin.sums[:1])
+
+
+@pytest.mark.skipif(cpu_ops.quant_kind() != "amx", reason="mm_prompt runs on AMX-BF16 tiles")
+def test_prompt_rows_take_the_bf16_tile_gemm() -> None:
+    """On AMX, an int4 linear's prompt rows (a RowSplit's prefill rows) go through mm_prompt: the
+    codes expanded to bf16 weights w = d q + m, a GEMM in fp32 over the whole K; each row's result
+    is that row's alone, close to the dense product; decoded rows keep mm's bits."""
+    from dspark.models.packed import RowSplit
+
+    qw = _int4(96, 256)
+    lin = Int4Linear(qw, None, torch.bfloat16)
+    d = qw.scale.half().float()
+    m = (qw.zero.double() - 8 * qw.scale.double()).half().float()
+    w = (qw.q.float().view(96, 8, 32) * d[..., None] + m[..., None]).view(96, 256).bfloat16().double()
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    amx = cpu_ops.quant()
+    got = amx.mm_prompt(x, lin.packed, lin.scale_offset)
+    ref = x.double() @ w.t()
+    assert (got.double() - ref).abs().max() <= 2 ** -8 * ref.abs().max()
+    assert torch.equal(torch.cat([amx.mm_prompt(x[i:i + 1], lin.packed, lin.scale_offset) for i in range(37)]), got)
+    split = RowSplit.of([30, 7], [30, 0], x.device)  # one request prefilling, one decoding
+    y = lin(x, split)
+    assert torch.equal(y[:30], got[:30])
+    assert torch.equal(y[30:], lin(x[30:]))  # the decode kernel's bits
+    assert not torch.equal(got[30:], lin(x[30:]))
+    with pytest.raises(RuntimeError, match="int4 weights"):
+        codes, scale = quantize_q8_0(torch.randn(64, 128))
+        amx.mm_prompt(torch.zeros(1, 128).bfloat16(), *amx.pack(codes, scale))

@@ -26,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-> the int8-rows layout, scales and code sums", pybind11::arg("q"), pybind11::arg("d"),
         pybind11::arg("m") = pybind11::none());
   m.def("mm8", &amx::mm8, "bf16 rows, quantized to int8, times a pack8 weight");
+#ifdef DSPARK_AMX
+  m.def("mm_prompt", &amx::mm_prompt, "prompt rows (bf16) times a packed int4 weight on AMX-BF16 tiles, as a GEMM");
+#endif
   m.def("decode_stack", &decode_stack, "a decoder stack's decode or verification pass, every layer in one call");
 #endif
 }

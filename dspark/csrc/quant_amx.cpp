@@ -216,6 +216,79 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
   });
 }
 
+#ifdef DSPARK_AMX
+// Prompt rows (many of them) times an int4 weight from pack(), as a GEMM on bf16 tiles: each
+// column-tile pair's codes are expanded once to bf16 weights w = d * q + m (fp32, then rounded to
+// bf16) in a panel that stays in cache, then every block of 16 rows runs the whole K through
+// AMX-BF16 with fp32 accumulators held in the tiles. The rows stay bf16, so a prompt row's result
+// is not the bits mm() gives a decoded row (the engine never mixes the two for one token:
+// packed.h's RowSplit); each row's result still depends on that row alone.
+at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm) {
+  const MatmulShape s = check_mm(x_in, at::kBFloat16, packed, dm);
+  TORCH_CHECK(!s.bytes, "mm_prompt: takes int4 weights from pack()");
+  const int64_t rows = s.rows, k = s.k, n = s.n, g = k / kGroup, pairs = packed.size(0) / 2;
+  auto y = at::empty({rows, n}, x_in.options());
+  if (rows == 0) return y;
+  const int64_t padded = (rows + 15) / 16 * 16;
+  at::Tensor x = x_in.contiguous();
+  if (padded != rows) x = at::cat({x, at::zeros({padded - rows, k}, x.options())});
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<uint32_t> panel(2 * g * 16 * 16);  // [tile][group][tile row][column]: bf16 pairs
+    alignas(64) float ctile[2][16 * 16];
+    configure(16, 64, 16);
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      for (int j = 0; j < 2; ++j) {
+        const int64_t t = 2 * pr + j;
+        for (int64_t gi = 0; gi < g; ++gi) {
+          __m512i w[8];
+          widen(wp + (t * g + gi) * kTileBytes, w);
+          const __m512 d = half16(dmp + (t * g + gi) * 2 * kCols), m = half16(dmp + (t * g + gi) * 2 * kCols + kCols);
+          uint32_t* dst = panel.data() + (j * g + gi) * 256;
+          for (int q = 0; q < 8; ++q) {  // w[q]: k = 4q .. 4q + 3 of the 16 columns, a byte each per lane
+            __m512 f[4];
+            for (int b = 0; b < 4; ++b) {
+              const __m512i c = _mm512_and_si512(_mm512_srli_epi32(w[q], 8 * b), _mm512_set1_epi32(0xFF));
+              f[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, m);
+            }
+            for (int h = 0; h < 2; ++h) {  // tile row 2q + h holds k = 4q + 2h (low half) and 4q + 2h + 1
+              const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f[2 * h]));
+              const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f[2 * h + 1]));
+              _mm512_storeu_si512(dst + 16 * (2 * q + h), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+          }
+        }
+      }
+      const uint32_t* b0 = panel.data();
+      const uint32_t* b1 = panel.data() + g * 256;
+      for (int64_t r0 = 0; r0 < padded; r0 += 16) {
+        _tile_zero(2);
+        _tile_zero(4);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          _tile_loadd(0, xp + r0 * k + gi * kGroup, k * 2);
+          _tile_loadd(1, b0 + gi * 256, 64);
+          _tile_loadd(3, b1 + gi * 256, 64);
+          _tile_dpbf16ps(2, 0, 1);
+          _tile_dpbf16ps(4, 0, 3);
+        }
+        _tile_stored(2, ctile[0], 64);
+        _tile_stored(4, ctile[1], 64);
+        const int64_t mr = std::min<int64_t>(16, rows - r0);
+        for (int64_t i = 0; i < mr; ++i)
+          for (int j = 0; j < 2; ++j)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + (r0 + i) * n + (2 * pr + j) * kCols),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(ctile[j] + 16 * i)));
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+#endif
+
 // Ask Linux for the AMX register state (once per process; threads inherit it). False if refused.
 bool enable() {
 #ifdef DSPARK_AMX

@@ -153,13 +153,18 @@ class _WeightOnly(nn.Module):
         y = self._kernel(x)
         return y if self.bias is None else y + self.bias
 
+    def _prompt_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A kernel of its own for prompt rows without a dense copy (None: the decode kernel)."""
+        return None
+
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         # a decode step's 2-D rows go through untouched: a few small ops per call add up over 120 layers
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if rows is None or self.prefill is None:
+        prompt = None if rows is None else self.prefill or self._prompt_kernel()
+        if prompt is None:
             y = self._quantized(x2)
         else:
-            y = rows.apply(x2, self.out_features, self._quantized, self.prefill)
+            y = rows.apply(x2, self.out_features, self._quantized, prompt)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
@@ -198,6 +203,17 @@ class Int4Linear(_WeightOnly):
         if self.amx is None or self.bias is not None:
             return None
         return self.packed, self.scale_offset, torch.empty(0, dtype=torch.int32)
+
+    def _prompt_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """On AMX, prompt rows take ``mm_prompt``: the codes expanded to bf16 once per call and a
+        GEMM on bf16 tiles (several times the many-row int8 path's speed, no resident copy)."""
+        if self.amx is None or not hasattr(self.amx, "mm_prompt"):
+            return None
+        return self._prompt
+
+    def _prompt(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.amx.mm_prompt(x.contiguous(), self.packed, self.scale_offset)
+        return y if self.bias is None else y + self.bias
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None:

@@ -5,9 +5,9 @@ A GGUF's layers that stay in the file's own blocks are planned before the weight
 built straight from its blocks, read from the file one linear at a time. The LM head on CPU
 becomes an int8 one where the layers are quantized (``Int8Head``) or a pre-packed dense one.
 
-Prompt rows take the same kernels as decoded rows unless ``prefill_dense`` keeps a pre-packed
-dense copy of every quantized linear for them (faster prompts at 2 bytes a weight more resident
-memory: docs/quantization.md).
+Prompt rows take the int4 linears' bf16 tile GEMM on AMX (``Int4Linear._prompt``), elsewhere the
+decode kernels, unless ``prefill_dense`` keeps a pre-packed dense copy of every quantized linear
+for them (at 2 bytes a weight more resident memory: docs/quantization.md).
 """
 
 from __future__ import annotations

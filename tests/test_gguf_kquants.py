@@ -106,6 +106,20 @@ def test_k_quant_kernel_rows() -> None:
     swapped = Q8Linear(codes, scale.view(64, 8, 2).flip(-1).reshape(64, 16), amx, int8_rows=True, dtype=dtype,
                        zero=zero)
     assert not torch.allclose(swapped(x).float(), got.float(), atol=1e-2)
+    if hasattr(amx, "mm_prompt"):  # AMX: prompt rows on bf16 tiles, the weights expanded once
+        from dspark.models.packed import RowSplit
+
+        wb = w.float().bfloat16().double()
+        for z in (zero, None):  # the k-quant form, and plain Q8_0-like codes
+            lin_z = lin if z is not None else Q8Linear(codes, scale[:, ::2].contiguous(), amx, int8_rows=True,
+                                                        dtype=dtype)
+            plain_w = Int8Weight(codes, scale[:, ::2].half().float())
+            w_z = wb if z is not None else plain_w.dequantize().bfloat16().double()
+            prompt = amx.mm_prompt(x, lin_z.packed, lin_z.scale, lin_z.sums)
+            ref_z = x.double() @ w_z.t()
+            assert (prompt.double() - ref_z).abs().max() <= 2 ** -8 * ref_z.abs().max()
+            y = lin_z(x, RowSplit.of([30, 10], [30, 0], x.device))
+            assert torch.equal(y[:30], prompt[:30]) and torch.equal(y[30:], lin_z(x[30:]))
     with pytest.raises(RuntimeError, match=r"offsets must be \[N, K / 32\]"):
         amx.pack8(codes, scale, zero[:, :4])
     with pytest.raises(RuntimeError, match=r"scales must be \[N, K / 32\] or \[N, K / 16\]"):

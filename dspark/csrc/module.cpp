@@ -27,7 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("m") = pybind11::none());
   m.def("mm8", &amx::mm8, "bf16 rows, quantized to int8, times a pack8 weight");
 #ifdef DSPARK_AMX
-  m.def("mm_prompt", &amx::mm_prompt, "prompt rows (bf16) times a packed int4 weight on AMX-BF16 tiles, as a GEMM");
+  m.def("mm_prompt", &amx::mm_prompt, "prompt rows (bf16) times a packed int4 weight (or a pack8 one, with its code "
+        "sums) on AMX-BF16 tiles, as a GEMM", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("dm"),
+        pybind11::arg("sums") = pybind11::none());
 #endif
   m.def("decode_stack", &decode_stack, "a decoder stack's decode or verification pass, every layer in one call");
 #endif

@@ -28,7 +28,8 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
 std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m = std::nullopt);
 at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& wsum);
 #ifdef DSPARK_AMX
-at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm);
+at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,
+                     const std::optional<at::Tensor>& sums = std::nullopt);
 #endif
 }  // namespace dspark::amx
 

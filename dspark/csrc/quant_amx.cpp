@@ -217,16 +217,23 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
 }
 
 #ifdef DSPARK_AMX
-// Prompt rows (many of them) times an int4 weight from pack(), as a GEMM on bf16 tiles: each
-// column-tile pair's codes are expanded once to bf16 weights w = d * q + m (fp32, then rounded to
-// bf16) in a panel that stays in cache, then every block of 16 rows runs the whole K through
-// AMX-BF16 with fp32 accumulators held in the tiles. The rows stay bf16, so a prompt row's result
-// is not the bits mm() gives a decoded row (the engine never mixes the two for one token:
-// packed.h's RowSplit); each row's result still depends on that row alone.
-at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm) {
-  const MatmulShape s = check_mm(x_in, at::kBFloat16, packed, dm);
-  TORCH_CHECK(!s.bytes, "mm_prompt: takes int4 weights from pack()");
+// Prompt rows (many of them) times an int4 weight from pack(), or an int8 one from pack8() (given
+// its code sums: Q8_0 codes, or the k-quant form), as a GEMM on bf16 tiles: each column-tile
+// pair's codes are expanded once to bf16 weights w = d * q + m (fp32, then rounded to bf16) in a
+// panel that stays in cache, then every block of 16 rows runs the whole K through AMX-BF16 with
+// fp32 accumulators held in the tiles. The rows stay bf16, so a prompt row's result is not the
+// bits mm() gives a decoded row (the engine never mixes the two for one token: packed.py's
+// RowSplit); each row's result still depends on that row alone.
+at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,
+                     const std::optional<at::Tensor>& sums) {
+  const bool codes8 = sums.has_value() && sums->numel() > 0;
+  const MatmulShape s = codes8 ? check_mm8(x_in, at::kBFloat16, packed, dm, *sums)
+                               : check_mm(x_in, at::kBFloat16, packed, dm);
+  TORCH_CHECK(codes8 || !s.bytes, "mm_prompt: int8 codes take pack8's weights and code sums");
   const int64_t rows = s.rows, k = s.k, n = s.n, g = k / kGroup, pairs = packed.size(0) / 2;
+  // per (column tile, group): packed bytes, fp16 values (int4: d, m; pack8: d, or d_lo, d_hi, m)
+  const int64_t tile_bytes = codes8 ? 2 * kTileBytes : kTileBytes;
+  const int64_t scales = codes8 ? (s.split ? 3 : 1) * kCols : 2 * kCols;
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0) return y;
   const int64_t padded = (rows + 15) / 16 * 16;
@@ -244,14 +251,27 @@ at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at:
       for (int j = 0; j < 2; ++j) {
         const int64_t t = 2 * pr + j;
         for (int64_t gi = 0; gi < g; ++gi) {
-          __m512i w[8];
-          widen(wp + (t * g + gi) * kTileBytes, w);
-          const __m512 d = half16(dmp + (t * g + gi) * 2 * kCols), m = half16(dmp + (t * g + gi) * 2 * kCols + kCols);
+          __m512i w[8];  // w[q]: k = 4q .. 4q + 3 of the 16 columns, a byte each per lane
+          const uint8_t* src = wp + (t * g + gi) * tile_bytes;
+          const uint16_t* sc = dmp + (t * g + gi) * scales;
+          __m512 d_lo = half16(sc), d_hi = d_lo, m = _mm512_setzero_ps();
+          if (!codes8) {
+            widen(src, w);
+            m = half16(sc + kCols);
+          } else {
+            for (int q = 0; q < 8; ++q) w[q] = _mm512_loadu_si512(src + 64 * q);
+            if (s.split) {
+              d_hi = half16(sc + kCols);
+              m = half16(sc + 2 * kCols);
+            }
+          }
           uint32_t* dst = panel.data() + (j * g + gi) * 256;
-          for (int q = 0; q < 8; ++q) {  // w[q]: k = 4q .. 4q + 3 of the 16 columns, a byte each per lane
+          for (int q = 0; q < 8; ++q) {
+            const __m512 d = q < 4 ? d_lo : d_hi;  // inputs 0-15, then 16-31
             __m512 f[4];
             for (int b = 0; b < 4; ++b) {
-              const __m512i c = _mm512_and_si512(_mm512_srli_epi32(w[q], 8 * b), _mm512_set1_epi32(0xFF));
+              const __m512i c = codes8 ? _mm512_srai_epi32(_mm512_slli_epi32(w[q], 24 - 8 * b), 24)  // signed
+                                       : _mm512_and_si512(_mm512_srli_epi32(w[q], 8 * b), _mm512_set1_epi32(0xFF));
               f[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, m);
             }
             for (int h = 0; h < 2; ++h) {  // tile row 2q + h holds k = 4q + 2h (low half) and 4q + 2h + 1

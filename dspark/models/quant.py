@@ -269,6 +269,16 @@ class Q8Linear(_WeightOnly):
         """As :meth:`Int4Linear.amx_weights`, with the code sums of an int8-rows weight (else empty)."""
         return (self.packed, self.scale, self.sums) if self.bias is None else None
 
+    def _prompt_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """On AMX, an int8-rows weight's prompt rows take ``mm_prompt`` (as Int4Linear's)."""
+        if not self.sums.numel() or not hasattr(self.amx, "mm_prompt"):
+            return None
+        return self._prompt
+
+    def _prompt(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.amx.mm_prompt(x.contiguous(), self.packed, self.scale, self.sums)
+        return y if self.bias is None else y + self.bias
+
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.amx.mm(x, self.packed, self.scale, self.sums)
 

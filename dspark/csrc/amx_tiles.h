@@ -59,6 +59,18 @@ inline __m512 half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// 256 packed bytes of one (column tile, group) -> 8 vectors of unsigned codes, vector j holding
+// k = 4j .. 4j + 3 of each of the 16 columns (VNNI's layout, and AMX-INT8's B tile row j). Byte
+// 64c + 4 * column + b keeps k = 8c + b in its low nibble and k = 8c + 4 + b in its high one.
+inline void widen(const uint8_t* src, __m512i* w) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i b = _mm512_loadu_si512(src + 64 * c);
+    w[2 * c] = _mm512_and_si512(b, low);
+    w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+  }
+}
+
 inline __m512 load_bf16(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));

@@ -37,18 +37,6 @@
 
 namespace dspark::amx {
 
-// 256 packed bytes of one (column tile, group) -> 8 vectors of unsigned codes, vector j holding
-// k = 4j .. 4j + 3 of each of the 16 columns (VNNI's layout, and AMX-INT8's B tile row j). Byte
-// 64c + 4 * column + b keeps k = 8c + b in its low nibble and k = 8c + 4 + b in its high one.
-inline void widen(const uint8_t* src, __m512i* w) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int c = 0; c < 4; ++c) {
-    const __m512i b = _mm512_loadu_si512(src + 64 * c);
-    w[2 * c] = _mm512_and_si512(b, low);
-    w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-  }
-}
-
 // 512 int8 codes, one tile row (32 codes in pair order) per 32 bytes -> bf16 through fp32 (exact
 // for |q| <= 256).
 inline void expand8(const int8_t* src, uint16_t* dst) {
@@ -215,99 +203,6 @@ void mm_int8(const at::Tensor& x_in, int64_t rows, const uint8_t* wp, const uint
 #endif
   });
 }
-
-#ifdef DSPARK_AMX
-// Prompt rows (many of them) times an int4 weight from pack(), or an int8 one from pack8() (given
-// its code sums: Q8_0 codes, or the k-quant form), as a GEMM on bf16 tiles: each column-tile
-// pair's codes are expanded once to bf16 weights w = d * q + m (fp32, then rounded to bf16) in a
-// panel that stays in cache, then every block of 16 rows runs the whole K through AMX-BF16 with
-// fp32 accumulators held in the tiles. The rows stay bf16, so a prompt row's result is not the
-// bits mm() gives a decoded row (the engine never mixes the two for one token: packed.py's
-// RowSplit); each row's result still depends on that row alone.
-at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,
-                     const std::optional<at::Tensor>& sums) {
-  const bool codes8 = sums.has_value() && sums->numel() > 0;
-  const MatmulShape s = codes8 ? check_mm8(x_in, at::kBFloat16, packed, dm, *sums)
-                               : check_mm(x_in, at::kBFloat16, packed, dm);
-  TORCH_CHECK(codes8 || !s.bytes, "mm_prompt: int8 codes take pack8's weights and code sums");
-  const int64_t rows = s.rows, k = s.k, n = s.n, g = k / kGroup, pairs = packed.size(0) / 2;
-  // per (column tile, group): packed bytes, fp16 values (int4: d, m; pack8: d, or d_lo, d_hi, m)
-  const int64_t tile_bytes = codes8 ? 2 * kTileBytes : kTileBytes;
-  const int64_t scales = codes8 ? (s.split ? 3 : 1) * kCols : 2 * kCols;
-  auto y = at::empty({rows, n}, x_in.options());
-  if (rows == 0) return y;
-  const int64_t padded = (rows + 15) / 16 * 16;
-  at::Tensor x = x_in.contiguous();
-  if (padded != rows) x = at::cat({x, at::zeros({padded - rows, k}, x.options())});
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
-  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<uint32_t> panel(2 * g * 16 * 16);  // [tile][group][tile row][column]: bf16 pairs
-    alignas(64) float ctile[2][16 * 16];
-    configure(16, 64, 16);
-    for (int64_t pr = p0; pr < p1; ++pr) {
-      for (int j = 0; j < 2; ++j) {
-        const int64_t t = 2 * pr + j;
-        for (int64_t gi = 0; gi < g; ++gi) {
-          __m512i w[8];  // w[q]: k = 4q .. 4q + 3 of the 16 columns, a byte each per lane
-          const uint8_t* src = wp + (t * g + gi) * tile_bytes;
-          const uint16_t* sc = dmp + (t * g + gi) * scales;
-          __m512 d_lo = half16(sc), d_hi = d_lo, m = _mm512_setzero_ps();
-          if (!codes8) {
-            widen(src, w);
-            m = half16(sc + kCols);
-          } else {
-            for (int q = 0; q < 8; ++q) w[q] = _mm512_loadu_si512(src + 64 * q);
-            if (s.split) {
-              d_hi = half16(sc + kCols);
-              m = half16(sc + 2 * kCols);
-            }
-          }
-          uint32_t* dst = panel.data() + (j * g + gi) * 256;
-          for (int q = 0; q < 8; ++q) {
-            const __m512 d = q < 4 ? d_lo : d_hi;  // inputs 0-15, then 16-31
-            __m512 f[4];
-            for (int b = 0; b < 4; ++b) {
-              const __m512i c = codes8 ? _mm512_srai_epi32(_mm512_slli_epi32(w[q], 24 - 8 * b), 24)  // signed
-                                       : _mm512_and_si512(_mm512_srli_epi32(w[q], 8 * b), _mm512_set1_epi32(0xFF));
-              f[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, m);
-            }
-            for (int h = 0; h < 2; ++h) {  // tile row 2q + h holds k = 4q + 2h (low half) and 4q + 2h + 1
-              const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f[2 * h]));
-              const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f[2 * h + 1]));
-              _mm512_storeu_si512(dst + 16 * (2 * q + h), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-            }
-          }
-        }
-      }
-      const uint32_t* b0 = panel.data();
-      const uint32_t* b1 = panel.data() + g * 256;
-      for (int64_t r0 = 0; r0 < padded; r0 += 16) {
-        _tile_zero(2);
-        _tile_zero(4);
-        for (int64_t gi = 0; gi < g; ++gi) {
-          _tile_loadd(0, xp + r0 * k + gi * kGroup, k * 2);
-          _tile_loadd(1, b0 + gi * 256, 64);
-          _tile_loadd(3, b1 + gi * 256, 64);
-          _tile_dpbf16ps(2, 0, 1);
-          _tile_dpbf16ps(4, 0, 3);
-        }
-        _tile_stored(2, ctile[0], 64);
-        _tile_stored(4, ctile[1], 64);
-        const int64_t mr = std::min<int64_t>(16, rows - r0);
-        for (int64_t i = 0; i < mr; ++i)
-          for (int j = 0; j < 2; ++j)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + (r0 + i) * n + (2 * pr + j) * kCols),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(ctile[j] + 16 * i)));
-      }
-    }
-    _tile_release();
-  });
-  return y;
-}
-#endif
 
 // Ask Linux for the AMX register state (once per process; threads inherit it). False if refused.
 bool enable() {

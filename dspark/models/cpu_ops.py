@@ -36,7 +36,7 @@ build_errors: dict[str, str] = {}
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "module.cpp", CSRC / "cpu_ops.cpp"]
 _QUANT_COMMON = [CSRC / "quant_pack.cpp", CSRC / "decode_stack.cpp"]
-AMX_SOURCES = [*SOURCES, *_QUANT_COMMON, CSRC / "quant_amx.cpp", CSRC / "quant_q8_rows.cpp"]
+AMX_SOURCES = [*SOURCES, *_QUANT_COMMON, CSRC / "quant_amx.cpp", CSRC / "quant_q8_rows.cpp", CSRC / "quant_prompt.cpp"]
 AVX2_SOURCES = [*SOURCES, *_QUANT_COMMON, CSRC / "quant_avx2.cpp"]
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
                "AVX2": ["-mavx2", "-mfma"]}

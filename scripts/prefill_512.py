@@ -25,7 +25,7 @@ from dspark.models.quant import Int4Linear, Q8Linear
 def main(model: str, tokens: int = 512) -> None:
     if os.environ.get("NO_PROMPT_KERNEL"):
         for cls in (Int4Linear, Q8Linear):
-            cls._prompt_kernel = lambda self: None
+            cls._prompt_args = lambda self: None
     engine = Engine(EngineConfig(model=model, spec=SpecConfig(drafter="none"), max_num_batched_tokens=2 * tokens))
     print("linears:", engine.quantization)
     g = torch.Generator().manual_seed(0)

@@ -4,14 +4,13 @@ greedy speculative output against plain decoding of the same file."""
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 from spec_helpers import make_engine, require_kernels, run_requests
-from test_quant import _q4_k_bytes
+from test_quant import _q4_k_bytes, _write_quantized_gguf
 from test_quant_amx import _int8_rows
 
 from dspark.config import SamplingParams
@@ -128,26 +127,6 @@ def test_k_quant_kernel_rows() -> None:
         Q8Linear(codes, scale, amx, int8_rows=False, dtype=dtype, zero=zero)
 
 
-def _write_mixed_gguf(path, model, kinds: dict[str, T]) -> None:  # noqa: ANN001
-    """A tiny llama GGUF whose layer projections are k-quant blocks, the type by tensor (as
-    llama-quantize's Q4_K_M: Q6_K for attn_v and ffn_down)."""
-    from test_loader import _write_gguf
-
-    real_add = gguf.GGUFWriter.add_tensor
-
-    def add(self, name, tensor, *a, **kw):  # noqa: ANN001, ANN202
-        if name.startswith("blk.") and name.endswith(".weight") and tensor.ndim == 2:
-            kind = next((t for key, t in kinds.items() if key in name), kinds["*"])
-            return real_add(self, name, _WRITERS[kind](tensor), raw_dtype=kind)
-        return real_add(self, name, tensor, *a, **kw)
-
-    gguf.GGUFWriter.add_tensor = add
-    try:
-        _write_gguf(path, "llama", model)
-    finally:
-        gguf.GGUFWriter.add_tensor = real_add
-
-
 @pytest.mark.parametrize("kinds", [{"attn_v": T.Q6_K, "ffn_down": T.Q6_K, "*": T.Q4_K},
                                    {"attn_v": T.Q6_K, "*": T.Q5_K}], ids=["Q4_K_M", "Q5_K_M"])
 def test_k_quant_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPatch, kinds: dict) -> None:  # noqa: ANN001
@@ -165,7 +144,9 @@ def test_k_quant_layers_keep_their_blocks(tmp_path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     model = _tiny("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     src = tmp_path / "k.gguf"
-    _write_mixed_gguf(src, model, kinds)
+    # the type by tensor, as llama-quantize's Q4_K_M (Q6_K for attn_v and ffn_down)
+    _write_quantized_gguf(src, model, lambda name: next((t for key, t in kinds.items() if key in name), kinds["*"]),
+                          encode=lambda w, kind: _WRITERS[kind](w))
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     plain = make_engine(str(src), "none", dtype=name, quantization="auto")
     layer = plain.model.layers[0]

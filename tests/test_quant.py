@@ -118,9 +118,10 @@ def test_rows_do_not_depend_on_the_batch(make: str, shape: tuple[int, int]) -> N
         assert torch.equal(lin(x[:m]), alone[:m]), m
 
 
-def _write_quantized_gguf(path, model, kind: T) -> None:  # noqa: ANN001
-    """A tiny llama GGUF whose layer projections are stored as ``kind`` blocks (llama.cpp's
-    permuted q/k rows), norms and embeddings as F32."""
+def _write_quantized_gguf(path, model, kind, encode=_quantize) -> None:  # noqa: ANN001
+    """A tiny llama GGUF whose layer projections are stored as ``kind`` blocks (a type, or a function
+    of the tensor's name giving one; ``encode(weight, type)`` writes them; llama.cpp's permuted q/k
+    rows), norms and embeddings as F32."""
     from test_loader import _REV, _write_gguf
 
     c = model.config
@@ -128,7 +129,8 @@ def _write_quantized_gguf(path, model, kind: T) -> None:  # noqa: ANN001
 
     def add(self, name, tensor, *a, **kw):  # noqa: ANN001, ANN202
         if name.startswith("blk.") and name.endswith(".weight") and tensor.ndim == 2:
-            return real_add(self, name, _quantize(tensor, kind), raw_dtype=kind)
+            k = kind(name) if callable(kind) else kind
+            return real_add(self, name, encode(tensor, k), raw_dtype=k)
         return real_add(self, name, tensor, *a, **kw)
 
     gguf.GGUFWriter.add_tensor = add

@@ -153,14 +153,22 @@ class _WeightOnly(nn.Module):
         y = self._kernel(x)
         return y if self.bias is None else y + self.bias
 
-    def _prompt_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """A kernel of its own for prompt rows without a dense copy (None: the decode kernel)."""
+    def _prompt_args(self) -> tuple[torch.Tensor, ...] | None:
+        """The packed weight as ``mm_prompt`` takes it where prompt rows have that kernel (AMX
+        builds: the codes expanded to bf16 once per call, a GEMM on bf16 tiles, no resident copy);
+        None: prompt rows take the decode kernel."""
         return None
+
+    def _prompt(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.amx.mm_prompt(x, *self._prompt_args())
+        return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         # a decode step's 2-D rows go through untouched: a few small ops per call add up over 120 layers
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        prompt = None if rows is None else self.prefill or self._prompt_kernel()
+        prompt = None
+        if rows is not None:
+            prompt = self.prefill or (self._prompt if self._prompt_args() is not None else None)
         if prompt is None:
             y = self._quantized(x2)
         else:
@@ -204,16 +212,10 @@ class Int4Linear(_WeightOnly):
             return None
         return self.packed, self.scale_offset, torch.empty(0, dtype=torch.int32)
 
-    def _prompt_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """On AMX, prompt rows take ``mm_prompt``: the codes expanded to bf16 once per call and a
-        GEMM on bf16 tiles (several times the many-row int8 path's speed, no resident copy)."""
+    def _prompt_args(self) -> tuple[torch.Tensor, ...] | None:
         if self.amx is None or not hasattr(self.amx, "mm_prompt"):
             return None
-        return self._prompt
-
-    def _prompt(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.amx.mm_prompt(x.contiguous(), self.packed, self.scale_offset)
-        return y if self.bias is None else y + self.bias
+        return self.packed, self.scale_offset
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None:
@@ -269,15 +271,10 @@ class Q8Linear(_WeightOnly):
         """As :meth:`Int4Linear.amx_weights`, with the code sums of an int8-rows weight (else empty)."""
         return (self.packed, self.scale, self.sums) if self.bias is None else None
 
-    def _prompt_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """On AMX, an int8-rows weight's prompt rows take ``mm_prompt`` (as Int4Linear's)."""
-        if not self.sums.numel() or not hasattr(self.amx, "mm_prompt"):
+    def _prompt_args(self) -> tuple[torch.Tensor, ...] | None:
+        if not self.sums.numel() or not hasattr(self.amx, "mm_prompt"):  # bf16-rows weights: none
             return None
-        return self._prompt
-
-    def _prompt(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.amx.mm_prompt(x.contiguous(), self.packed, self.scale, self.sums)
-        return y if self.bias is None else y + self.bias
+        return self.packed, self.scale, self.sums
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.amx.mm(x, self.packed, self.scale, self.sums)

@@ -53,8 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prompt tokens per step still goes through); default: no bound, the token budget alone")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (used by default on CUDA with the flashinfer backend)")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="share the KV cache of identical prompt prefixes between requests")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the KV cache of identical prompt prefixes between requests (default: on where "
+                        "a prompt's K/V do not depend on how its prefill is chunked, so outputs stay the "
+                        "same bits: the CPU kernels with int4/int8 layers; off elsewhere)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
 

@@ -272,7 +272,9 @@ class EngineConfig:
     # cost model predicts it, stays under this many ms (None: the token budget alone)
     max_decode_stall_ms: float | None = None
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the flashinfer backend)
-    enable_prefix_caching: bool = False  # share the KV pages of identical prompt prefixes (vLLM's)
+    # share the KV pages of identical prompt prefixes (vLLM's); None: on wherever a prompt's K/V
+    # do not depend on its chunking, so a cached prefix gives the bits a fresh one would (Engine)
+    enable_prefix_caching: bool | None = None
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     seed: int = 0  # seeds the per-request seeds of requests that give none (reproducible runs, as vLLM)
     tensor_parallel_size: int = 1  # ranks the decoder layers are split over (dspark/dist/)

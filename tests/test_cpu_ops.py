@@ -108,6 +108,55 @@ def test_attention_row_alone_equals_row_in_a_chain_and_a_tree(head_dim, dtype):
     assert path[-1] == 3 and torch.equal(alone[0], both[3])
 
 
+needs_causal = pytest.mark.skipif(not hasattr(ops, "attend_causal"), reason="attend_causal is AVX512-only")
+
+
+@needs_causal
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 128), ((4, 4), 64)])
+def test_causal_attention_gives_attends_bits(dtype, heads, head_dim):
+    """Long causal chunks (prompt rows) through attend_causal: every row the bits attend gives it
+    (float32 shows any change of order), in groups of unequal query and key counts, padded."""
+    g = torch.Generator().manual_seed(5)
+    nh, nkv = heads
+    kc = torch.randn(400, nkv, head_dim, generator=g).to(dtype)
+    vc = torch.randn(400, nkv, head_dim, generator=g).to(dtype)
+    q_lens, kv_lens = [40, 35, 50], [40, 70, 100]
+    perm = torch.randperm(100, generator=g).tolist()
+    tables = [perm[0:10], perm[10:28], perm[28:53]]
+    attn = TorchAttention("cpu")
+    attn.plan(AttnBatch(q_lens, kv_lens, tables, page_size=4))
+    [grp] = attn.groups
+    assert not grp.short and grp.visible is not None
+    q = torch.randn(sum(q_lens), nh, head_dim, generator=g).to(dtype)
+    want, got = torch.zeros_like(q), torch.zeros_like(q)
+    ops.attend(q, kc, vc, grp.gather, grp.q_index, grp.row_mask, 0.125, want)
+    ops.attend_causal(q, kc, vc, grp.gather, grp.q_index, grp.visible, 0.125, got)
+    assert torch.equal(got, want)
+    assert torch.equal(attn.attend(q, kc, vc, 0.125, ops), want)  # the backend takes it for long chunks
+    with pytest.raises(RuntimeError, match="visible"):
+        ops.attend_causal(q, kc, vc, grp.gather, grp.q_index, grp.visible[:, :-1].contiguous(), 0.125, got)
+
+
+@needs_causal
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_row_does_not_depend_on_its_chunk(dtype):
+    """A prompt's row attended in one 60-row chunk, in a 40-row chunk after 20 cached rows, and as
+    the last of 3 rows: the same bits, so a cached prefix equals the same prefix computed again."""
+    g = torch.Generator().manual_seed(6)
+    kc = torch.randn(64, 2, 64, generator=g).to(dtype)
+    vc = torch.randn(64, 2, 64, generator=g).to(dtype)
+    q = torch.randn(60, 6, 64, generator=g).to(dtype)
+
+    def rows(n):  # the last n of the prompt's 60 positions, pages 0-14 of 4 slots
+        attn = TorchAttention("cpu")
+        attn.plan(AttnBatch([n], [60], [list(range(15))], page_size=4))
+        return attn.attend(q[60 - n:], kc, vc, 0.125, ops)
+
+    whole, tail, last = rows(60), rows(40), rows(3)
+    assert torch.equal(tail, whole[20:]) and torch.equal(last, whole[57:])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_stack_matches_the_modules(folders, dtype, monkeypatch):
     outs = []

@@ -136,3 +136,32 @@ def test_server_counts_prefix_cache_tokens(folders):
     texts = [c["text"] for c in out["choices"]]
     assert texts[3:] == [outs[0]["choices"][0]["text"]] * 3 and len(set(texts[:3])) == 1
     assert hits == 32 + 2 * 32 + 2 * 32  # prompt 2 from the cache at once; each prompt's 2 later choices
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter):
+    """A bf16 int4 target with 64-wide heads on the CPU kernels: prompt rows get the same bits
+    however a prompt is chunked, so prefix caching is on by default, and requests that find
+    their prompts' pages give what an engine without caching gives with whole prompts, every
+    prompt cut into chunks of 16 or not. A dense float32 target keeps it off."""
+    from spec_helpers import save_tiny_target
+
+    from dspark.models import cpu_ops
+
+    ops = cpu_ops.quant()
+    if ops is None or not hasattr(ops, "attend_causal"):
+        pytest.skip("needs the int4 kernels and the AVX512 causal attention")
+    assert make_engine(folders["target"]).pool.prefix_caching is False
+    target = save_tiny_target(tmp_path / "t64", head_dim=64)
+    base = alphabet_prompts([45], seed=7)[0]
+    tails = alphabet_prompts([6, 11, 4], seed=8)
+    prompts = [base + t for t in tails] + [base[:30] + tails[0]]
+    kw = dict(quantization="int4", dtype="bfloat16")
+    ref = make_engine(target, drafter, enable_prefix_caching=False, max_num_batched_tokens=512, **kw)
+    want = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in prompts])]
+    cached = make_engine(target, drafter, max_num_batched_tokens=16, **kw)
+    assert cached.pool.prefix_caching is True
+    for _ in range(2):  # the second round finds every prompt's full pages
+        got = run_requests(cached, [(p, GREEDY, None) for p in prompts])
+        assert [o.token_ids for o in got] == want
+    assert cached.pool.prefix_hits >= 4 * 32

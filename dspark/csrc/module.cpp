@@ -16,6 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &cpu::silu_mul, "silu(gate) * up of a fused gate/up output");
   m.def("rope_store", &cpu::rope_store, "rotary on q and k in place; k and v into the paged caches");
   m.def("attend", &cpu::attend, "masked attention over paged keys, one fixed order per row");
+#if defined(__AVX512F__)
+  m.def("attend_causal", &cpu::attend_causal, "attend's bits for causal rows (prompt chunks, chains), keys "
+        "shared by the rows that read them");
+#endif
 #ifdef DSPARK_QUANT
   m.def("enable", &amx::enable, "request the AMX register state from the kernel (true without tiles)");
   m.def("pack", &amx::pack, "int4 (uint8) codes with scales and offsets, or int8 codes with scales -> the AMX layout",

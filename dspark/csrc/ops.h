@@ -7,7 +7,7 @@
 #include <optional>
 #include <vector>
 
-namespace dspark::cpu {  // cpu_ops.cpp
+namespace dspark::cpu {  // cpu_ops.cpp and attend.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
@@ -15,6 +15,10 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots);
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
             const at::Tensor& q_index, const at::Tensor& mask, double scale, at::Tensor out);
+#if defined(__AVX512F__)
+void attend_causal(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
+                   const at::Tensor& q_index, const at::Tensor& visible, double scale, at::Tensor out);
+#endif
 at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor markov_walk(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& anchors,
                        const at::Tensor& to_target);

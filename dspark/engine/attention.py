@@ -52,6 +52,7 @@ class _Group:
     short: bool  # decode steps and verification chains/trees (exact), not long prefill chunks
     dense: bool = False  # the only group, no padding: q and the output need no re-indexing
     sdpa_masked: bool = True  # False: SDPA runs unmasked (every query sees every key; inexact only)
+    visible: torch.Tensor | None = None  # [S, Qmax]: causal rows see their first n keys (None: not causal)
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -123,10 +124,12 @@ class TorchAttention:
         q_index = torch.where(real, first[:, None] + j, self.num_tokens)  # pad -> the zero row
         g_idx, j_idx = real.nonzero(as_tuple=True)
         out_rows, dest = g_idx * qmax + j_idx, first[g_idx] + j_idx
+        causal = False
         if batch.mask == "full":
             mask = real[:, :, None] & seen[:, None, :]
         else:  # causal: chains and prefill chunks, in a causal pass or beside trees
             last = (kv - q)[:, None] + j  # each query row's own position
+            causal = not any(self._is_tree(batch, i) for i in idx)
             mask = (pos <= last[:, :, None]) & seen[:, None, :] & real[:, :, None]
             for g, i in enumerate(idx if batch.mask == "custom" else ()):
                 if self._is_tree(batch, i):
@@ -138,8 +141,9 @@ class TorchAttention:
         # exact groups keep their mask even when it hides nothing: SDPA's unmasked kernel sums in
         # another order, and a decoded token must match the same token verified
         keep = self.exact or not bool(mask.all())
+        visible = torch.where(real, last + 1, 0).to(dev) if batch.mask != "full" and causal else None
         return _Group(gather.to(dev), q_index.to(dev), mask.to(dev), out_rows.to(dev), dest.to(dev), exact,
-                      sdpa_masked=keep)
+                      sdpa_masked=keep, visible=visible)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -152,7 +156,9 @@ class TorchAttention:
                ops=None) -> torch.Tensor:  # noqa: ANN001 - ops: the fused CPU kernels (models.cpu_ops)
         """Attention of q [N, H, D] over caches that already hold this pass's K/V. With ops, short
         groups (decode, chains, trees, drafter blocks) run the fused kernel, which visits each
-        row's keys in one fixed order; long prefill chunks keep SDPA."""
+        row's keys in one fixed order, and long prefill chunks its causal form where the build has
+        one (AVX512: the same bits per row, so a prompt's K/V do not depend on how it was chunked
+        and a cached prefix equals one computed again); elsewhere they keep SDPA."""
         N, H, D = q.shape
         fused = ops is not None
         qz = None
@@ -160,6 +166,9 @@ class TorchAttention:
         for g in self.groups:
             if fused and g.short:
                 ops.attend(q, k_cache, v_cache, g.gather, g.q_index, g.row_mask, scale, out)
+                continue
+            if fused and g.visible is not None and hasattr(ops, "attend_causal") and D in (64, 128):
+                ops.attend_causal(q, k_cache, v_cache, g.gather, g.q_index, g.visible, scale, out)
                 continue
             if qz is None and not g.dense:
                 qz = torch.cat([q, q.new_zeros(1, H, D)])
@@ -184,6 +193,20 @@ class TorchAttention:
                 return o
             out[g.dest] = o
         return out
+
+
+def exact_prompt_chunks(model, attn, device: torch.device, workers=None) -> bool:  # noqa: ANN001
+    """Whether a prompt's K/V come out the same however its prefill is chunked: the CPU kernels'
+    causal attention (every row's keys in one fixed order) and row-alone linears
+    (models.quantize.rows_alone), on one process. Prefix caching is then exact, and on by default."""
+    if device.type != "cpu" or workers is not None or getattr(attn, "name", None) != "torch":
+        return False
+    from dspark.models import cpu_ops
+    from dspark.models.quantize import rows_alone
+
+    ops = cpu_ops.load()
+    head_dim = model.config.head_dim
+    return ops is not None and hasattr(ops, "attend_causal") and head_dim in (64, 128) and rows_alone(model)
 
 
 def make_backend(name: str, device: str | torch.device, static=None, workspace: torch.Tensor | None = None,

@@ -21,7 +21,7 @@ import torch
 from dspark.config import EngineConfig, SamplingParams, field_error
 from dspark.dist.workers import start_tensor_parallel
 from dspark.engine import profile
-from dspark.engine.attention import make_backend
+from dspark.engine.attention import exact_prompt_chunks, make_backend
 from dspark.engine.batch_planner import BatchPlanner
 from dspark.engine.cuda_graphs import SCRATCH_TOKENS, install_graphs
 from dspark.engine.detokenizer import decode_new_text, find_stop
@@ -50,7 +50,7 @@ class Engine:
         self.dtype = config.resolved_dtype()
         page_size = config.page_size
         num_pages = max(1, config.kv_cache_tokens // page_size)
-        self.pool = PagePool(num_pages, page_size, prefix_caching=config.enable_prefix_caching)
+        self.pool = PagePool(num_pages, page_size)
         # a few pages past the pool's own: the padding requests of CUDA graphs write there
         self.scratch_pages = list(range(num_pages, num_pages + -(-SCRATCH_TOKENS // page_size)))
         self.kv_pages = num_pages + len(self.scratch_pages)
@@ -86,6 +86,11 @@ class Engine:
                                      default_model=config.model is None)
         self._fit_context(num_pages * page_size)
         self.spec.max_model_len = self.max_model_len
+        self.pool.prefix_caching = config.enable_prefix_caching
+        if self.pool.prefix_caching is None:
+            self.pool.prefix_caching = exact_prompt_chunks(self.model, self.attn, self.device, self.workers)
+            logger.info("prefix caching %s", "on: prompt chunks get the same bits however they are cut"
+                        if self.pool.prefix_caching else "off: this build's prompt path sums by chunk")
         self.spec.shared_prefixes = self.pool.prefix_caching
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer" \
                 and self.workers is None:

@@ -34,10 +34,13 @@ log = logging.getLogger(__name__)
 build_errors: dict[str, str] = {}
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "module.cpp", CSRC / "cpu_ops.cpp"]
+SOURCES = [CSRC / "module.cpp", CSRC / "cpu_ops.cpp", CSRC / "attend.cpp"]
 _QUANT_COMMON = [CSRC / "quant_pack.cpp", CSRC / "decode_stack.cpp"]
 AMX_SOURCES = [*SOURCES, *_QUANT_COMMON, CSRC / "quant_amx.cpp", CSRC / "quant_q8_rows.cpp", CSRC / "quant_prompt.cpp"]
 AVX2_SOURCES = [*SOURCES, *_QUANT_COMMON, CSRC / "quant_avx2.cpp"]
+# No contraction of a product and a sum into an FMA the source did not write: the kernels' sums
+# run in the order written, so two kernels written alike (attend, attend_causal) give equal bits.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"],
                "AVX2": ["-mavx2", "-mfma"]}
 
@@ -61,7 +64,7 @@ def _compile(name: str, sources: list[pathlib.Path], flags: list[str], optional:
         log.info("building %s into %s (once per machine and torch version)", name, build)
     try:
         return cpp_extension.load(name=name, sources=[str(s) for s in sources],
-                                  extra_cflags=["-O3", "-fopenmp", *flags], extra_include_paths=[str(CSRC)],
+                                  extra_cflags=[*CFLAGS, *flags], extra_include_paths=[str(CSRC)],
                                   extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # fall back to torch's kernels, but never quietly
         build_errors[name] = str(e)

@@ -194,3 +194,17 @@ def _return_freed_heap() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
         pass
+
+
+def rows_alone(model: nn.Module) -> bool:
+    """Whether every decoder linear of ``model`` gives a row the same bits whatever other rows share
+    its call (our int4 and int8 kernels, prompt rows included, with no dense copy, whose GEMM may
+    sum a row in another order as the row count changes): then a prompt's K/V do not depend on
+    how it is chunked, given an attention that is row-exact too."""
+    for layer in model.layers:
+        for path in _LAYER_LINEARS:
+            parent_name, attr = path.split(".")
+            lin = getattr(getattr(layer, parent_name), attr)
+            if not isinstance(lin, (Int4Linear, Q8Linear)) or lin.amx is None or lin.prefill is not None:
+                return False
+    return True

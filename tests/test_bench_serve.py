@@ -258,3 +258,15 @@ def test_rate_sweep_is_drawn_in_rate_order(tmp_path, monkeypatch) -> None:
     line = axes[0].get_lines()[0]
     assert list(line.get_xdata()) == [2.0, 4.0, 8.0] and list(line.get_ydata()) == [20.0, 40.0, 80.0]
     assert axes[0].get_xlabel() == "request rate (req/s)"
+
+
+def test_each_level_sends_its_own_prompts() -> None:
+    """No level replays an earlier level's prompts (a prompt cache would answer their prefills),
+    wrapping around a short file; --same-prompts sends the first ones at every level."""
+    import dataclasses
+
+    from dspark.bench.serve import ServeBenchConfig
+
+    cfg = ServeBenchConfig("http://127.0.0.1:9", [f"p{i}" for i in range(7)], [1, 2, 4], num_prompts=3)
+    assert [cfg.level_prompts(k) for k in range(3)] == [["p0", "p1", "p2"], ["p3", "p4", "p5"], ["p6", "p0", "p1"]]
+    assert dataclasses.replace(cfg, same_prompts=True).level_prompts(2) == ["p0", "p1", "p2"]

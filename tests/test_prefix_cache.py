@@ -143,7 +143,8 @@ def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter)
     """A bf16 int4 target with 64-wide heads on the CPU kernels: prompt rows get the same bits
     however a prompt is chunked, so prefix caching is on by default, and requests that find
     their prompts' pages give what an engine without caching gives with whole prompts, every
-    prompt cut into chunks of 16 or not. A dense float32 target keeps it off."""
+    prompt cut into chunks of 16 or not, next turns holding earlier answers too. A dense float32
+    target keeps it off."""
     from spec_helpers import save_tiny_target
 
     from dspark.models import cpu_ops
@@ -152,7 +153,7 @@ def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter)
     if ops is None or not hasattr(ops, "attend_causal"):
         pytest.skip("needs the int4 kernels and the AVX512 causal attention")
     assert make_engine(folders["target"]).pool.prefix_caching is False
-    target = save_tiny_target(tmp_path / "t64", head_dim=64)
+    target = save_tiny_target(tmp_path / "t64", predictable=False, head_dim=64)  # any changed bit shows
     base = alphabet_prompts([45], seed=7)[0]
     tails = alphabet_prompts([6, 11, 4], seed=8)
     prompts = [base + t for t in tails] + [base[:30] + tails[0]]
@@ -165,3 +166,8 @@ def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter)
         got = run_requests(cached, [(p, GREEDY, None) for p in prompts])
         assert [o.token_ids for o in got] == want
     assert cached.pool.prefix_hits >= 4 * 32
+    # the next turn of a chat holds an earlier answer in its prompt: its tokens were decoded, and
+    # are computed again as prompt rows (only prompt pages are shared), as without caching
+    turn = [prompts[0] + want[0] + tails[1], prompts[1] + want[1]]
+    want2 = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in turn])]
+    assert [o.token_ids for o in run_requests(cached, [(p, GREEDY, None) for p in turn])] == want2

@@ -3,7 +3,10 @@
 
 Each load level sends ``num_prompts`` streaming requests; the server's speculative-decoding
 counters are scraped from ``/metrics`` just before and just after, so tau covers exactly that
-level's requests (assuming nothing else uses the server meanwhile).
+level's requests (assuming nothing else uses the server meanwhile). Each level takes the next
+``num_prompts`` prompts of the file (wrapping around when it has too few), so a server's prompt
+cache never answers a level's prefills from an earlier level's identical requests; prefixes that
+prompts really share (a chat template's system prompt) still count.
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ class ServeBenchConfig:
     """Everything one `dspark bench serve` call measures.
 
     concurrencies: one run per entry (None: no cap); rates: requests/s (math.inf: all at once).
-    The runs are every (concurrency, rate) pair, concurrencies outermost.
+    The runs are every (concurrency, rate) pair, concurrencies outermost. prompts: the pool the
+    levels draw from, num_prompts (default: all of them) per level, level k from prompt
+    k * num_prompts on; same_prompts: every level sends the first num_prompts.
     """
 
     base_url: str
     prompts: list[str]
     concurrencies: list[int | None]
+    num_prompts: int | None = None
+    same_prompts: bool = False
     rates: list[float] = dataclasses.field(default_factory=lambda: [math.inf])
     endpoint: str = CHAT
     max_tokens: int = 128
@@ -45,6 +52,15 @@ class ServeBenchConfig:
     timeout: float = 600.0
     seed: int = 0
     label: str | None = None
+
+    @property
+    def per_level(self) -> int:
+        return self.num_prompts or len(self.prompts)
+
+    def level_prompts(self, level: int) -> list[str]:
+        """The prompts load level ``level`` (0, 1, ...) sends."""
+        start = 0 if self.same_prompts else level * self.per_level
+        return [self.prompts[(start + i) % len(self.prompts)] for i in range(self.per_level)]
 
     @property
     def headers(self) -> dict[str, str]:
@@ -78,15 +94,16 @@ def default_label(info: dict[str, Any]) -> str:
 
 
 async def _run_level(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str | None,
-                     concurrency: int | None, rate: float) -> dict[str, Any]:
+                     concurrency: int | None, rate: float, level: int) -> dict[str, Any]:
     url = cfg.base_url + cfg.endpoint
+    prompts = cfg.level_prompts(level)
 
     async def send(i: int) -> RequestResult:
-        body = request_body(cfg.endpoint, model, cfg.prompts[i], cfg.max_tokens, cfg.temperature, cfg.ignore_eos)
+        body = request_body(cfg.endpoint, model, prompts[i], cfg.max_tokens, cfg.temperature, cfg.ignore_eos)
         return await send_request(client, url, body, cfg.headers, cfg.timeout)
 
     before = await scrape_counters(client, cfg.base_url)
-    results, duration = await run_load(send, len(cfg.prompts), concurrency, rate, cfg.seed)
+    results, duration = await run_load(send, len(prompts), concurrency, rate, cfg.seed)
     after = await scrape_counters(client, cfg.base_url)
     run: dict[str, Any] = {"concurrency": concurrency, "request_rate": None if math.isinf(rate) else rate,
                            "num_prompts": len(results)}
@@ -96,9 +113,10 @@ async def _run_level(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: st
 
 
 async def _warm_up(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str | None) -> None:
-    """Send cfg.warmup requests at once (not measured); fail early when the server cannot answer them."""
+    """Send cfg.warmup requests at once (not measured); fail early when the server cannot answer them.
+    They take the pool's last prompts, which the levels reach last if at all."""
     url = cfg.base_url + cfg.endpoint
-    bodies = [request_body(cfg.endpoint, model, cfg.prompts[i % len(cfg.prompts)], cfg.max_tokens,
+    bodies = [request_body(cfg.endpoint, model, cfg.prompts[-1 - i % len(cfg.prompts)], cfg.max_tokens,
                            cfg.temperature, cfg.ignore_eos) for i in range(cfg.warmup)]
     results = await asyncio.gather(*(send_request(client, url, b, cfg.headers, cfg.timeout) for b in bodies))
     failed = [r.error for r in results if not r.success]
@@ -110,7 +128,7 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict[str, Any]:
     """Warm up, then measure every load level; returns the JSON-able report."""
     if not cfg.prompts:
         raise ValueError("no prompts to send")
-    widest = max((c or len(cfg.prompts) for c in cfg.concurrencies), default=1)
+    widest = max((c or cfg.per_level for c in cfg.concurrencies), default=1)
     limits = httpx.Limits(max_connections=max(widest, cfg.warmup) + 4, max_keepalive_connections=widest + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=30.0), limits=limits) as client:
         info = await _server_info(client, cfg)
@@ -120,12 +138,13 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict[str, Any]:
         runs = []
         for concurrency in cfg.concurrencies:
             for rate in cfg.rates:
-                print(f"[bench serve] {len(cfg.prompts)} requests, concurrency {concurrency or 'unbounded'}, "
+                print(f"[bench serve] {cfg.per_level} requests, concurrency {concurrency or 'unbounded'}, "
                       f"rate {rate} req/s ...", file=sys.stderr, flush=True)
-                runs.append(await _run_level(client, cfg, info["model"], concurrency, rate))
+                runs.append(await _run_level(client, cfg, info["model"], concurrency, rate, len(runs)))
     date = datetime.datetime.now().isoformat(timespec="seconds")
     return {"mode": "serve", "label": cfg.label or default_label(info), "date": date,
-            "base_url": cfg.base_url, "endpoint": cfg.endpoint, **info, "num_prompts": len(cfg.prompts),
+            "base_url": cfg.base_url, "endpoint": cfg.endpoint, **info, "num_prompts": cfg.per_level,
+            "prompts_per_level": "same" if cfg.same_prompts else "distinct", "prompt_pool": len(cfg.prompts),
             "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos,
             "warmup": cfg.warmup, "seed": cfg.seed, "runs": runs}
 

@@ -61,7 +61,11 @@ def add_serve_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                         "dev_prompts.jsonl next to the repository)")
     p.add_argument("--category", default=None, help="only rows whose 'category' field equals this")
     p.add_argument("--num-prompts", type=int, default=32,
-                   help="requests per load level; the file's prompts repeat if it has fewer (default 32)")
+                   help="requests per load level, each level the file's next ones, so that no level replays "
+                        "an earlier one's prompts to the server's prompt cache; they wrap around when the "
+                        "file has too few (default 32)")
+    p.add_argument("--same-prompts", action="store_true",
+                   help="every load level sends the file's first --num-prompts prompts")
     p.add_argument("--concurrency", default=None,
                    help="comma list of concurrency caps, one run each, e.g. 1,4,16; 'max' for no cap "
                         "(default: 1, or no cap with --request-rate)")
@@ -110,9 +114,12 @@ def _config(args: argparse.Namespace):
     path = args.prompts or default_prompts_path()
     if path is None:
         raise FileNotFoundError("no default prompts file (../shared/data/dev_prompts.jsonl); pass --prompts")
-    prompts = cycle_prompts(load_prompts(path, args.num_prompts, args.category), args.num_prompts)
+    levels = 1 if args.same_prompts else len(concurrencies) * len(rates)
+    pool = load_prompts(path, args.num_prompts * levels, args.category)
+    prompts = pool if len(pool) >= args.num_prompts else cycle_prompts(pool, args.num_prompts)
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or os.environ.get("OPENAI_API_KEY")
     cfg = ServeBenchConfig(base_url=args.url.rstrip("/"), prompts=prompts, concurrencies=concurrencies,
+                           num_prompts=args.num_prompts, same_prompts=args.same_prompts,
                            rates=rates, endpoint=ENDPOINTS[args.endpoint], max_tokens=args.max_tokens,
                            temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup,
                            model=args.model, api_key=api_key, timeout=args.timeout, seed=args.seed,

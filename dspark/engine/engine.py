@@ -288,8 +288,9 @@ class Engine:
             if not w.seq.is_finished:
                 self.pool.truncate(w.seq.seq_id, w.seq.num_cached)
                 self.pool.tables[w.seq.seq_id].num_tokens = w.seq.num_cached
-                if share:
-                    self.pool.register(w.seq.seq_id, w.seq.token_range, w.seq.num_cached)
+                if share:  # prompt pages only: see PagePool.register
+                    self.pool.register(w.seq.seq_id, w.seq.token_range,
+                                       min(w.seq.num_cached, len(w.seq.prompt_ids)))
         return [w.seq for w in works]
 
     def _compact(self, seq: Sequence, start: int, kept: list[int]) -> None:

@@ -118,7 +118,11 @@ class PagePool:
     def register(self, seq_id: int, tokens: Callable[[int, int], list[int]], num_cached: int) -> None:
         """Make the full pages among a sequence's first num_cached tokens (computed, committed)
         available to later requests with the same prefix. tokens(start, end): the sequence's
-        token ids there, read only for a page that has just filled (this runs every step)."""
+        token ids there, read only for a page that has just filled (this runs every step). The
+        engine registers prompt pages only: a generated token's K/V come from the decode
+        kernels, and a later prompt holding the same tokens (the next turn of a chat) computes
+        them as prompt rows, whose bits differ where prompt rows take a GEMM (AMX); that prompt's
+        own pages are registered in turn."""
         table = self.tables.get(seq_id)
         if not self.prefix_caching or table is None:
             return

@@ -8,8 +8,10 @@
 #
 # Env: PROMPTS (default data/heldout_chat.jsonl), N (requests per level, default 32), TOKENS
 # (default 64), LEVELS (default 1,4,8,16,32), ROWS (default "default none llama"), EXTRA (more
-# `dspark serve` flags for both dspark rows, e.g. "--max-decode-stall-ms 60"), TAG (a suffix of
-# the output names). llama-server comes from scripts/build_llamacpp.sh.
+# `dspark serve` flags for both dspark rows, e.g. "--max-decode-stall-ms 60"), BENCH_EXTRA (more
+# `dspark bench serve` flags, e.g. "--same-prompts": every level replays the same prompts, which
+# both servers' prompt caches then answer), TAG (a suffix of the output names). Each level sends
+# its own prompts by default. llama-server comes from scripts/build_llamacpp.sh.
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$HERE/.venv/bin/python"
@@ -23,6 +25,7 @@ TOKENS=${TOKENS:-64}
 LEVELS=${LEVELS:-1,4,8,16,32}
 ROWS=${ROWS:-"default none llama"}
 EXTRA=${EXTRA:-}
+BENCH_EXTRA=${BENCH_EXTRA:-}
 TAG=${TAG:-}
 PORT=${PORT:-8125}
 BIN=${LLAMA_BIN:-$HOME/.cache/dspark/llama.cpp/build/bin}
@@ -35,9 +38,10 @@ run() {  # label, then the server command
   local pid=$!
   for _ in $(seq 1 900); do curl -sf "localhost:$PORT/health" > /dev/null && break; sleep 1; done
   echo "== $label $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+  # shellcheck disable=SC2086  # BENCH_EXTRA holds several flags
   "$HERE/.venv/bin/dspark" bench serve --url "http://127.0.0.1:$PORT" --endpoint chat --prompts "$PROMPTS" \
     --num-prompts "$N" --max-tokens "$TOKENS" --concurrency "$LEVELS" --label "$label" \
-    --output "$OUT/$label.json" > /dev/null 2> "$OUT/$label.table"
+    --output "$OUT/$label.json" $BENCH_EXTRA > /dev/null 2> "$OUT/$label.table"
   grep -E "Output token throughput|Mean TTFT|P99 ITL" "$OUT/$label.table" >&2
   kill "$pid"; wait "$pid" 2> /dev/null
 }

@@ -17,6 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a small model of the target's family (HF folder or .gguf, same tokenizer) that drafts "
                         "--block-size tokens autoregressively (default 4); instead of --drafter")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
+    p.add_argument("--draft-p-min", type=float, default=None,
+                   help="--draft-model: a request's draft stops once the product of its tokens' draft "
+                        "probabilities falls below this (default 0.1; 0: always the whole block)")
     p.add_argument("--tree", action="store_true", help="verify a draft tree instead of a chain")
     p.add_argument("--tree-budget", type=int, default=None, help="draft tree nodes per request (default: 16)")
     p.add_argument("--ngram-assist", type=int, default=None,
@@ -92,7 +95,8 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
         print(f"warning: {note}", file=sys.stderr)
     given = {k: v for k, v in (("tree_budget", args.tree_budget), ("threshold", args.threshold),
                                ("ngram_assist", args.ngram_assist),
-                               ("ngram_assist_max_len", args.ngram_assist_max_len)) if v is not None}
+                               ("ngram_assist_max_len", args.ngram_assist_max_len),
+                               ("draft_p_min", getattr(args, "draft_p_min", None))) if v is not None}
     spec = SpecConfig(drafter=args.drafter, draft_model=getattr(args, "draft_model", None), block_size=args.block_size,
                       tree=args.tree, policy=policy, **given)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,

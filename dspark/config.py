@@ -209,6 +209,10 @@ class SpecConfig:
     # in it verifies their continuation instead of a drafted block (0: never)
     ngram_assist: int = 2
     ngram_assist_max_len: int = 32  # a looked-up chain's longest (it grows while accepted whole)
+    # draft models: a request's chain stops growing once the product of its drafted tokens'
+    # probabilities (its survival estimate) falls below this (llama.cpp's --draft-p-min, on the
+    # chain rather than one token); 0: every draft walks its whole block
+    draft_p_min: float = 0.1
 
     def validate(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 32:
@@ -224,6 +228,8 @@ class SpecConfig:
             raise ValueError(f"ngram_assist_max_len must be an integer in [1, 32], got {self.ngram_assist_max_len!r}")
         if self.tree_budget < 1 or self.tree_topk < 1:
             raise ValueError("tree_budget and tree_topk must be >= 1")
+        if not isinstance(self.draft_p_min, (int, float)) or not 0.0 <= self.draft_p_min < 1.0:
+            raise ValueError(f"draft_p_min must be a probability in [0, 1), got {self.draft_p_min!r}")
         if self.draft_model is not None:
             if self.drafter is not None:
                 raise ValueError("drafter and draft_model are exclusive: a draft model is the drafter")

@@ -16,7 +16,8 @@
 # Env: WIDENED (DIR, default /root/widened), ORIG (default DIR/control/orig-Q8_0.gguf), PROMPTS
 # (default data/heldout_chat.jsonl), N (requests, default 10), TOKENS (default 128), CATEGORY,
 # ROWS (which rows to run, default all: "plain default draft llama llama-spec"), BLOCK (draft
-# tokens per step for the draft model, both engines, default 8).
+# tokens per step for the draft model, both engines, default 8), EXTRA (more `dspark serve` flags
+# for the dspark rows, e.g. "--draft-p-min 0").
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR=${WIDENED:-/root/widened}
@@ -28,6 +29,7 @@ N=${N:-10}
 TOKENS=${TOKENS:-128}
 BLOCK=${BLOCK:-8}
 ROWS=${ROWS:-"plain default draft llama llama-spec"}
+EXTRA=${EXTRA:-}
 PORT=${PORT:-8124}
 BIN=${LLAMA_BIN:-$HOME/.cache/dspark/llama.cpp/build/bin}
 DSPARK="$HERE/.venv/bin/dspark"
@@ -50,10 +52,13 @@ run() {  # label, then the server command
 
 for row in $ROWS; do
   case $row in
-    plain) run dspark-plain "$DSPARK" serve --model "$FILE" --drafter none --port "$PORT" ;;
-    default) run dspark-default "$DSPARK" serve --model "$FILE" --drafter "$DIR/drafter" --port "$PORT" ;;
+    # shellcheck disable=SC2086  # EXTRA holds several flags
+    plain) run dspark-plain "$DSPARK" serve --model "$FILE" --drafter none --port "$PORT" $EXTRA ;;
+    # shellcheck disable=SC2086
+    default) run dspark-default "$DSPARK" serve --model "$FILE" --drafter "$DIR/drafter" --port "$PORT" $EXTRA ;;
+    # shellcheck disable=SC2086
     draft) run dspark-draft-model "$DSPARK" serve --model "$FILE" --draft-model "$ORIG" --block-size "$BLOCK" \
-             --port "$PORT" ;;
+             --port "$PORT" $EXTRA ;;
     llama) run llama-server "$BIN/llama-server" -m "$FILE" --port "$PORT" -c 4096 -np 1 -t "$(nproc)" ;;
     llama-spec) run llama-server-spec "$BIN/llama-server" -m "$FILE" -md "$ORIG" --spec-draft-n-max "$BLOCK" \
                   --spec-draft-n-min 1 --port "$PORT" -c 4096 -np 1 -t "$(nproc)" ;;

@@ -255,6 +255,31 @@ def test_draft_model_drafts_after_a_preemption_and_under_mixed_budgets(folders):
     assert engine.num_preemptions > 0
 
 
+def test_draft_model_stops_a_chain_whose_survival_falls_below_p_min(folders):
+    """draft_p_min: a chain stops growing once the product of its tokens' draft probabilities
+    falls below it, so each draft takes fewer passes of the draft model and proposes fewer
+    tokens; output stays plain decoding's."""
+    prompts = alphabet_prompts([15, 33, 40], seed=6)
+    reqs = [(p, GREEDY, None) for p in prompts]
+    plain = run_requests(make_engine(folders["target"]), reqs)
+    per_draft = {}
+    for p_min in (0.0, 0.9):
+        engine = _engine(folders, "draft-model", block_size=6, ngram_assist=0, draft_p_min=p_min)
+        proposer, passes, drafts = engine.spec.proposer, [], []
+        run, draft = proposer._run, proposer.draft
+        proposer._run = lambda *a: passes.append(1) or run(*a)
+        proposer.draft = lambda seqs, budgets: drafts.append(len(seqs)) or draft(seqs, budgets)
+        out = run_requests(engine, reqs)
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+        st = engine.spec_stats
+        per_draft[p_min] = (len(passes) / len(drafts), st.proposed / sum(drafts))
+    # without a floor every draft walks its whole block (fewer tokens only near max_tokens)
+    assert per_draft[0.0][0] > 5.5 and per_draft[0.0][1] > 5.5, per_draft
+    assert per_draft[0.9][0] < 0.8 * per_draft[0.0][0] and per_draft[0.9][1] < 0.8 * per_draft[0.0][1], per_draft
+    with pytest.raises(ValueError, match="draft_p_min"):
+        SpecConfig(draft_p_min=1.0).validate()
+
+
 def test_eagle3_sampled_drafts_carry_q_over_the_target_vocabulary(folders):
     engine = _engine(folders, "eagle3", block_size=3, ngram_assist=0)
     seen = []

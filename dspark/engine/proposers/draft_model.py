@@ -12,6 +12,7 @@ tree (chain_walk.SiblingTree).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -20,7 +21,7 @@ from dspark.config import SpecConfig
 from dspark.engine.attention import make_backend
 from dspark.engine.kv_cache import KVCache
 from dspark.engine.proposal import Draft, Proposer, TargetView
-from dspark.engine.proposers.chain_walk import open_walk
+from dspark.engine.proposers.chain_walk import ChainWalk, open_walk
 from dspark.engine.sequence import Sequence
 from dspark.models.loader import load_model, load_tokenizer
 
@@ -75,6 +76,10 @@ class DraftModelProposer(Proposer):
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
         walk, budgets = open_walk(self.cfg, seqs, budgets, self.target.model.config.vocab_size, None,
                                   self.target.device)
+        # chains stop growing where their survival estimate falls below draft_p_min: a draft the
+        # policy would not verify is not worth a pass of the draft model (trees walk their depth)
+        floor = self.cfg.draft_p_min if isinstance(walk, ChainWalk) else 0.0
+        depths = list(budgets)
         with torch.inference_mode():
             starts = [self._cached(s) for s in seqs]
             # committed tokens not cached yet, through the anchor (all_ids ends with it)
@@ -82,22 +87,36 @@ class DraftModelProposer(Proposer):
             try:
                 logits = self._run(seqs, tokens, starts)
                 prev = walk.pick(logits)
+                survival = walk.conf[-1].cpu() if floor and walk.conf else None
                 for j in range(1, max(budgets)):
-                    # a request only writes the slots its budget reserved: past it, its rows
-                    # repeat their last logits and the controller cuts those drafts
-                    rows = [r for r, b in enumerate(budgets) if b > j]
+                    if survival is not None:
+                        depths = [j if d > j and a < floor else d for d, a in zip(depths, survival.tolist())]
+                    # a request only writes the slots its depth reserved: past it, its rows
+                    # repeat their last logits and are cut from its draft below
+                    rows = [r for r, d in enumerate(depths) if d > j]
+                    if not rows:
+                        break
                     new = self._run([seqs[r] for r in rows], [[int(prev[r])] for r in rows],
                                     [len(seqs[r].all_ids) - 1 + j for r in rows])
                     logits = logits.index_copy(0, torch.tensor(rows, device=logits.device), new)
                     prev = walk.pick(logits)
+                    if survival is not None:
+                        survival = survival * walk.conf[-1].cpu()
             except BaseException:
                 walk.abandon()
                 raise
-        for s, row, b in zip(seqs, torch.stack(walk.chain, 1).tolist(), budgets):
+        for s, row, d in zip(seqs, torch.stack(walk.chain, 1).tolist(), depths):
             # fed from the anchor's position on: the anchor, then the chain before its last token
-            self.fed[s.seq_id] = (len(s.all_ids) - 1, [s.all_ids[-1]] + row[:b - 1])
-        return walk.finish(budgets)
+            self.fed[s.seq_id] = (len(s.all_ids) - 1, [s.all_ids[-1]] + row[:d - 1])
+        drafts = walk.finish(depths)
+        return [dr if dr.tree is not None or len(dr.tokens) <= d else _shorten(dr, d) for dr, d in zip(drafts, depths)]
 
     def release(self, seq_id: int) -> None:
         self.fed.pop(seq_id, None)
 
+
+def _shorten(draft: Draft, n: int) -> Draft:
+    """A chain draft's first n tokens (with their confidences and distributions)."""
+    return dataclasses.replace(draft, tokens=draft.tokens[:n], num_proposed=n,
+                               confidence=None if draft.confidence is None else draft.confidence[:n],
+                               q=None if draft.q is None else draft.q[:n])

@@ -255,6 +255,14 @@ def test_draft_model_drafts_after_a_preemption_and_under_mixed_budgets(folders):
     assert engine.num_preemptions > 0
 
 
+def _counting(fn, log: list, what):  # noqa: ANN001, ANN202 - wraps any callable
+    """fn, appending what(*args) to log on every call."""
+    def call(*args):  # noqa: ANN002, ANN202
+        log.append(what(*args))
+        return fn(*args)
+    return call
+
+
 def test_draft_model_stops_a_chain_whose_survival_falls_below_p_min(folders):
     """draft_p_min: a chain stops growing once the product of its tokens' draft probabilities
     falls below it, so each draft takes fewer passes of the draft model and proposes fewer
@@ -266,9 +274,8 @@ def test_draft_model_stops_a_chain_whose_survival_falls_below_p_min(folders):
     for p_min in (0.0, 0.9):
         engine = _engine(folders, "draft-model", block_size=6, ngram_assist=0, draft_p_min=p_min)
         proposer, passes, drafts = engine.spec.proposer, [], []
-        run, draft = proposer._run, proposer.draft
-        proposer._run = lambda *a: passes.append(1) or run(*a)
-        proposer.draft = lambda seqs, budgets: drafts.append(len(seqs)) or draft(seqs, budgets)
+        proposer._run = _counting(proposer._run, passes, lambda *a: 1)
+        proposer.draft = _counting(proposer.draft, drafts, lambda seqs, budgets: len(seqs))
         out = run_requests(engine, reqs)
         assert [o.token_ids for o in out] == [o.token_ids for o in plain]
         st = engine.spec_stats

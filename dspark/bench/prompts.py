@@ -25,10 +25,3 @@ def load_prompts(path: str | pathlib.Path, num: int, category: str | None = None
     if not out:
         raise ValueError(f"no prompts in {path}" + (f" with category {category!r}" if category else ""))
     return out
-
-
-def cycle_prompts(prompts: list[str], num: int) -> list[str]:
-    """Exactly ``num`` prompts: ``prompts`` repeated in order as often as needed."""
-    if not prompts:
-        raise ValueError("no prompts to cycle")
-    return [prompts[i % len(prompts)] for i in range(num)]

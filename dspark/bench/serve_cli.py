@@ -99,7 +99,7 @@ def add_plot_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def _config(args: argparse.Namespace):
-    from dspark.bench.prompts import cycle_prompts, default_prompts_path, load_prompts
+    from dspark.bench.prompts import default_prompts_path, load_prompts
     from dspark.bench.serve import ServeBenchConfig
     from dspark.cli import check_at_least, check_output_path
 
@@ -115,8 +115,7 @@ def _config(args: argparse.Namespace):
     if path is None:
         raise FileNotFoundError("no default prompts file (../shared/data/dev_prompts.jsonl); pass --prompts")
     levels = 1 if args.same_prompts else len(concurrencies) * len(rates)
-    pool = load_prompts(path, args.num_prompts * levels, args.category)
-    prompts = pool if len(pool) >= args.num_prompts else cycle_prompts(pool, args.num_prompts)
+    prompts = load_prompts(path, args.num_prompts * levels, args.category)  # levels wrap around a short file
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or os.environ.get("OPENAI_API_KEY")
     cfg = ServeBenchConfig(base_url=args.url.rstrip("/"), prompts=prompts, concurrencies=concurrencies,
                            num_prompts=args.num_prompts, same_prompts=args.same_prompts,

@@ -23,70 +23,6 @@ inline float hsum16(__m512 v) {
   return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, 1));
 }
 
-// The softmax of n scores (already scaled; mx their maximum) and the value sum over their keys in
-// order, written to orow: the second half of every attention row.
-template <int C, typename T>
-void softmax_values(float* score, const int64_t* slots, int64_t n, float mx, const T* vc, int64_t stride, T* orow) {
-  const float total = exp_shifted(score, n, mx);
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 p = _mm512_set1_ps(score[j]);
-    const T* vr = vc + slots[j] * stride;
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vr + 16 * c), acc[c]);
-  }
-  const __m512 inv = _mm512_set1_ps(total > 0.f ? 1.f / total : 0.f);
-  float tmp[16 * C];
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(tmp + 16 * c, _mm512_mul_ps(acc[c], inv));
-  for (int i = 0; i < 16 * C; ++i) orow[i] = static_cast<T>(tmp[i]);
-}
-
-// One query head over its visible keys with head_dim = 16 * C held in registers: each score as C
-// products added in a fixed pairwise tree, its 16 lanes summed by hsum16.
-template <int C, typename T>
-void head_attend(const T* qr, const T* kc, const T* vc, const int64_t* slots, const bool* m, int64_t lmax,
-                 int64_t stride, float sc, float* score, int64_t* key, T* orow) {
-  __m512 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = load16(qr + 16 * c);
-  int64_t seen = 0;
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < lmax; ++j) {
-    if (!m[j]) continue;
-    const T* kr = kc + slots[j] * stride;
-    __m512 prod[C];
-    for (int c = 0; c < C; ++c) prod[c] = _mm512_mul_ps(qv[c], load16(kr + 16 * c));
-    for (int w = C / 2; w > 0; w /= 2) {
-      for (int c = 0; c < w; ++c) prod[c] = _mm512_add_ps(prod[c], prod[c + w]);
-    }
-    const float v = hsum16(prod[0]) * sc;
-    key[seen] = slots[j];
-    score[seen++] = v;
-    mx = v > mx ? v : mx;
-  }
-  softmax_values<C>(score, key, seen, mx, vc, stride, orow);
-}
-
-// head_attend's scores of 16 consecutive keys at once, one key per lane: kt holds the keys
-// transposed ([16 * C dims][16 keys], float32), qf the query row in float32. Lane j computes
-// exactly what head_attend computes for key j: the same products, the same pairwise tree over
-// the C chunks, then hsum16's tree over the 16 dims of a chunk, then the scale.
-template <int C>
-inline __m512 scores16(const float* qf, const float* kt, float sc) {
-  __m512 u[16];
-  for (int i = 0; i < 16; ++i) {
-    __m512 prod[C];
-    for (int c = 0; c < C; ++c) prod[c] = _mm512_mul_ps(_mm512_set1_ps(qf[16 * c + i]), _mm512_loadu_ps(kt + (16 * c + i) * 16));
-    for (int w = C / 2; w > 0; w /= 2) {
-      for (int c = 0; c < w; ++c) prod[c] = _mm512_add_ps(prod[c], prod[c + w]);
-    }
-    u[i] = prod[0];
-  }
-  for (int i = 0; i < 8; ++i) u[i] = _mm512_add_ps(u[i + 8], u[i]);
-  for (int i = 0; i < 4; ++i) u[i] = _mm512_add_ps(u[i + 4], u[i]);
-  const __m512 s = _mm512_add_ps(_mm512_add_ps(u[0], u[2]), _mm512_add_ps(u[1], u[3]));
-  return _mm512_mul_ps(s, _mm512_set1_ps(sc));
-}
-
 // The largest of x[0..n) (-inf when n == 0): the same value in any order.
 inline float max_of(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(-INFINITY);
@@ -97,9 +33,11 @@ inline float max_of(const float* x, int64_t n) {
   return mx;
 }
 
-// softmax_values for NH query heads of one KV head at once: each head's arithmetic is
-// softmax_values's, but the heads' sums run side by side (independent dependency chains, where
-// one head alone waits on each add) and share each value row's load.
+// The softmax of n scores (already scaled; mx their maximum) and the value sum over their keys in
+// order, for NH query heads of one KV head at once, into orow[h]: the second half of every
+// attention row. Each head sums alone and in order; the heads' sums run side by side
+// (independent dependency chains, where one head alone waits on each add) and share each value
+// row's load.
 template <int C, int NH, typename T>
 void softmax_values_heads(float* const* score, const float* mx, const int64_t* slots, int64_t n, const T* vc,
                           int64_t stride, T* const* orow) {
@@ -130,6 +68,54 @@ void softmax_values_heads(float* const* score, const float* mx, const int64_t* s
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(tmp + 16 * c, _mm512_mul_ps(acc[h][c], inv));
     for (int i = 0; i < 16 * C; ++i) orow[h][i] = static_cast<T>(tmp[i]);
   }
+}
+
+// One query head over its visible keys with head_dim = 16 * C held in registers: each score as C
+// products added in a fixed pairwise tree, its 16 lanes summed by hsum16.
+template <int C, typename T>
+void head_attend(const T* qr, const T* kc, const T* vc, const int64_t* slots, const bool* m, int64_t lmax,
+                 int64_t stride, float sc, float* score, int64_t* key, T* orow) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = load16(qr + 16 * c);
+  int64_t seen = 0;
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < lmax; ++j) {
+    if (!m[j]) continue;
+    const T* kr = kc + slots[j] * stride;
+    __m512 prod[C];
+    for (int c = 0; c < C; ++c) prod[c] = _mm512_mul_ps(qv[c], load16(kr + 16 * c));
+    for (int w = C / 2; w > 0; w /= 2) {
+      for (int c = 0; c < w; ++c) prod[c] = _mm512_add_ps(prod[c], prod[c + w]);
+    }
+    const float v = hsum16(prod[0]) * sc;
+    key[seen] = slots[j];
+    score[seen++] = v;
+    mx = v > mx ? v : mx;
+  }
+  float* scores[1] = {score};
+  T* out[1] = {orow};
+  softmax_values_heads<C, 1>(scores, &mx, key, seen, vc, stride, out);
+}
+
+// head_attend's scores of 16 consecutive keys at once, one key per lane: kt holds the keys
+// transposed ([16 * C dims][16 keys], float32), qf the query row in float32. Lane j computes
+// exactly what head_attend computes for key j: the same products, the same pairwise tree over
+// the C chunks, then hsum16's tree over the 16 dims of a chunk, then the scale.
+template <int C>
+inline __m512 scores16(const float* qf, const float* kt, float sc) {
+  __m512 u[16];
+  for (int i = 0; i < 16; ++i) {
+    __m512 prod[C];
+    for (int c = 0; c < C; ++c) prod[c] = _mm512_mul_ps(_mm512_set1_ps(qf[16 * c + i]), _mm512_loadu_ps(kt + (16 * c + i) * 16));
+    for (int w = C / 2; w > 0; w /= 2) {
+      for (int c = 0; c < w; ++c) prod[c] = _mm512_add_ps(prod[c], prod[c + w]);
+    }
+    u[i] = prod[0];
+  }
+  for (int i = 0; i < 8; ++i) u[i] = _mm512_add_ps(u[i + 8], u[i]);
+  for (int i = 0; i < 4; ++i) u[i] = _mm512_add_ps(u[i + 4], u[i]);
+  const __m512 s = _mm512_add_ps(_mm512_add_ps(u[0], u[2]), _mm512_add_ps(u[1], u[3]));
+  return _mm512_mul_ps(s, _mm512_set1_ps(sc));
 }
 
 // Causal groups (prompt chunks and chains): row q_index[g][i] sees the first visible[g][i] keys of
@@ -220,28 +206,37 @@ void attend_causal_impl(const T* qp, int64_t sq0, int64_t sq1, const T* kc, cons
 }
 #endif
 
+// The checks attend and attend_causal share: q and out [rows, heads, head_dim], contiguous caches
+// [slots, kv heads, head_dim], gather [groups, keys] of slots in range, q_index [groups, queries].
+void check_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
+                 const at::Tensor& q_index, const at::Tensor& out) {
+  check_heads(q, "q");
+  check_heads(out, "out");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == q.size(2),
+              "caches must be contiguous");
+  TORCH_CHECK(gather.is_contiguous() && gather.scalar_type() == at::kLong, "gather must be contiguous int64");
+  TORCH_CHECK(q_index.is_contiguous() && q_index.scalar_type() == at::kLong && q_index.size(0) == gather.size(0),
+              "q_index must be contiguous int64 [groups, queries]");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
+  const int64_t slot_count = k_cache.size(0);
+  const int64_t* gp = gather.data_ptr<int64_t>();
+  for (int64_t i = 0; i < gather.numel(); ++i) TORCH_CHECK(gp[i] >= 0 && gp[i] < slot_count, "slot out of range");
+}
+
 // Attention of query rows over paged keys, for sequences padded into a group: row q_index[g][i]
 // (>= rows: padding) sees the cached slots gather[g][j] where mask[g][i][j], visited in j order
 // (position order; a tree node's ancestors come before it). Softmax and the value sum run in
 // float32; out rows not named by q_index are left as they are.
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
             const at::Tensor& q_index, const at::Tensor& mask, double scale, at::Tensor out) {
-  check_heads(q, "q");
-  check_heads(out, "out");
+  check_group(q, k_cache, v_cache, gather, q_index, out);
   const int64_t rows = q.size(0), nh = q.size(1), d = q.size(2), nkv = k_cache.size(1);
   const int64_t groups = gather.size(0), lmax = gather.size(1), qmax = q_index.size(1);
-  TORCH_CHECK(nh % nkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == d, "caches must be contiguous");
-  TORCH_CHECK(gather.is_contiguous() && gather.scalar_type() == at::kLong, "gather must be contiguous int64");
-  TORCH_CHECK(q_index.is_contiguous() && q_index.scalar_type() == at::kLong && q_index.size(0) == groups,
-              "q_index must be contiguous int64 [groups, queries]");
   TORCH_CHECK(mask.is_contiguous() && mask.scalar_type() == at::kBool && mask.dim() == 3 && mask.size(0) == groups &&
                   mask.size(1) == qmax && mask.size(2) == lmax,
               "mask must be contiguous bool [groups, queries, keys]");
-  TORCH_CHECK(out.size(0) == rows && out.size(1) == nh && out.size(2) == d, "out must be shaped like q");
-  const int64_t slot_count = k_cache.size(0);
   const int64_t* gp = gather.data_ptr<int64_t>();
-  for (int64_t i = 0; i < gather.numel(); ++i) TORCH_CHECK(gp[i] >= 0 && gp[i] < slot_count, "slot out of range");
   const int64_t per_kv = nh / nkv, sq0 = q.stride(0), sq1 = q.stride(1), so0 = out.stride(0), so1 = out.stride(1);
   dispatch(q.scalar_type(), "attend", [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -297,24 +292,15 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #if defined(__AVX512F__)
 void attend_causal(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
                    const at::Tensor& q_index, const at::Tensor& visible, double scale, at::Tensor out) {
-  check_heads(q, "q");
-  check_heads(out, "out");
+  check_group(q, k_cache, v_cache, gather, q_index, out);
   const int64_t rows = q.size(0), nh = q.size(1), d = q.size(2), nkv = k_cache.size(1);
   const int64_t groups = gather.size(0), lmax = gather.size(1), qmax = q_index.size(1);
   TORCH_CHECK(d == 64 || d == 128, "attend_causal: head_dim must be 64 or 128");
-  TORCH_CHECK(nh % nkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == d, "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
                   out.scalar_type() == q.scalar_type(), "q, the caches and out must share a dtype");
-  TORCH_CHECK(gather.is_contiguous() && gather.scalar_type() == at::kLong, "gather must be contiguous int64");
-  TORCH_CHECK(q_index.is_contiguous() && q_index.scalar_type() == at::kLong && q_index.size(0) == groups,
-              "q_index must be contiguous int64 [groups, queries]");
   TORCH_CHECK(visible.is_contiguous() && visible.scalar_type() == at::kLong && visible.sizes() == q_index.sizes(),
               "visible must be contiguous int64 shaped like q_index");
-  TORCH_CHECK(out.size(0) == rows && out.size(1) == nh && out.size(2) == d, "out must be shaped like q");
-  const int64_t slot_count = k_cache.size(0);
   const int64_t* gp = gather.data_ptr<int64_t>();
-  for (int64_t i = 0; i < gather.numel(); ++i) TORCH_CHECK(gp[i] >= 0 && gp[i] < slot_count, "slot out of range");
   dispatch(q.scalar_type(), "attend_causal", [&](auto tag) {
     using scalar_t = decltype(tag);
     (d == 64 ? attend_causal_impl<4, scalar_t> : attend_causal_impl<8, scalar_t>)(

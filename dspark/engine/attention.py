@@ -124,12 +124,10 @@ class TorchAttention:
         q_index = torch.where(real, first[:, None] + j, self.num_tokens)  # pad -> the zero row
         g_idx, j_idx = real.nonzero(as_tuple=True)
         out_rows, dest = g_idx * qmax + j_idx, first[g_idx] + j_idx
-        causal = False
         if batch.mask == "full":
             mask = real[:, :, None] & seen[:, None, :]
         else:  # causal: chains and prefill chunks, in a causal pass or beside trees
             last = (kv - q)[:, None] + j  # each query row's own position
-            causal = not any(self._is_tree(batch, i) for i in idx)
             mask = (pos <= last[:, :, None]) & seen[:, None, :] & real[:, :, None]
             for g, i in enumerate(idx if batch.mask == "custom" else ()):
                 if self._is_tree(batch, i):
@@ -141,7 +139,10 @@ class TorchAttention:
         # exact groups keep their mask even when it hides nothing: SDPA's unmasked kernel sums in
         # another order, and a decoded token must match the same token verified
         keep = self.exact or not bool(mask.all())
-        visible = torch.where(real, last + 1, 0).to(dev) if batch.mask != "full" and causal else None
+        # long causal groups (prompt chunks) only: short ones take the masked kernel, and a decode
+        # step should not build a tensor it never reads
+        causal = not exact and batch.mask != "full" and not any(self._is_tree(batch, i) for i in idx)
+        visible = torch.where(real, last + 1, 0).to(dev) if causal else None
         return _Group(gather.to(dev), q_index.to(dev), mask.to(dev), out_rows.to(dev), dest.to(dev), exact,
                       sdpa_masked=keep, visible=visible)
 

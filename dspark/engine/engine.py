@@ -86,12 +86,12 @@ class Engine:
                                      default_model=config.model is None)
         self._fit_context(num_pages * page_size)
         self.spec.max_model_len = self.max_model_len
-        self.pool.prefix_caching = config.enable_prefix_caching
-        if self.pool.prefix_caching is None:
-            self.pool.prefix_caching = exact_prompt_chunks(self.model, self.attn, self.device, self.workers)
+        caching = config.enable_prefix_caching
+        if caching is None:
+            caching = exact_prompt_chunks(self.model, self.attn, self.device, self.workers)
             logger.info("prefix caching %s", "on: prompt chunks get the same bits however they are cut"
-                        if self.pool.prefix_caching else "off: this build's prompt path sums by chunk")
-        self.spec.shared_prefixes = self.pool.prefix_caching
+                        if caching else "off: this build's prompt path sums by chunk")
+        self.pool.prefix_caching = self.spec.shared_prefixes = caching
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer" \
                 and self.workers is None:
             self.enable_graphs(capture=True)

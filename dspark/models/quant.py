@@ -40,7 +40,6 @@ from dspark.models.packed import PackedLinear, RowSplit
 log = logging.getLogger(__name__)
 
 GROUP = 32  # GGUF's block length, and the int4 group length used when quantizing at load
-_LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 # --------------------------------------------------------------------------- quantized tensors

@@ -203,8 +203,7 @@ def rows_alone(model: nn.Module) -> bool:
     how it is chunked, given an attention that is row-exact too."""
     for layer in model.layers:
         for path in _LAYER_LINEARS:
-            parent_name, attr = path.split(".")
-            lin = getattr(getattr(layer, parent_name), attr)
+            lin = layer.get_submodule(path)
             if not isinstance(lin, (Int4Linear, Q8Linear)) or lin.amx is None or lin.prefill is not None:
                 return False
     return True

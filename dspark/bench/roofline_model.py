@@ -161,8 +161,9 @@ def run_model_roofline(model_arg: str | None, device: str, dtype: torch.dtype, q
     c = model.config
     parts = decode_read_bytes(model)
     wbytes = sum(parts.values())
-    emb = model.embed_tokens.weight
-    row_bytes = emb.shape[1] * emb.element_size()
+    emb = model.embed_tokens
+    # a row looked up: from the mapped file's blocks (BlockRows) or from the dense table
+    row_bytes = getattr(emb, "row_bytes", None) or emb.weight.shape[1] * emb.weight.element_size()
     per_token_kv = KVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype)
     pages = max(batch_sizes) * -(-(context + max_rows) // PAGE)
     kv = KVCache(c.num_hidden_layers, pages, PAGE, c.num_key_value_heads, c.head_dim, dtype, dev)

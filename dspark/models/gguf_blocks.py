@@ -52,7 +52,7 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> Int4Weight:
     sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
     # 4 runs of 32 bytes: the low nibbles are sub-block 2j, the high ones sub-block 2j + 1
     qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = torch.from_numpy((qs & 0x0F).astype(np.int32).reshape(n, k))
+    q = torch.from_numpy(np.ascontiguousarray(qs & 0x0F).reshape(n, k))  # uint8: a quarter of int32's bytes at load
     scale = torch.from_numpy((d * sc).reshape(n, k // GROUP))
     mins = torch.from_numpy((dmin * m).reshape(n, k // GROUP))
     return Int4Weight(q, scale, 8 * scale - mins)
@@ -113,7 +113,7 @@ def gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Weigh
     d = _block_scale(blocks)
     off = 4 if kind == "Q4_1" else 2
     nib = blocks[..., off:off + 16]
-    q = torch.from_numpy(np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.int32).reshape(n, k))
+    q = torch.from_numpy(np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, k))
     d_t = torch.from_numpy(d)
     if kind == "Q4_1":  # w = d * q + m  ->  (q - 8) * d + (m + 8 d)
         m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
@@ -124,7 +124,7 @@ def gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> Int4Weigh
 def _k_form(w: Int4Weight | Int8Weight) -> Int8Weight:
     """Any kept part in the int8 k-quant form (a Q4 part as codes q - 8, its scale and offset)."""
     if isinstance(w, Int4Weight):
-        return Int8Weight((w.q - 8).to(torch.int8), w.scale.repeat_interleave(2, 1), w.zero)
+        return Int8Weight(w.q.to(torch.int8) - 8, w.scale.repeat_interleave(2, 1), w.zero)
     return w.as_split()
 
 

@@ -3,10 +3,11 @@
 A GGUF is converted once into a small folder (config, tokenizer) holding an index of the file's
 tensors: names, types, shapes and byte offsets. Loading then reads each tensor with one
 ``pread`` and drops the bytes once it has become what the model keeps: a dense weight
-(de-quantized in the model's dtype) or the file's own blocks (``gguf_blocks``). Nothing is
-memory-mapped, so the resident set never holds the file on top of the model, and no dense float
-copy of the weights is ever written to disk (the index replaces the gigabytes of float32 a 2B
-model would take there).
+(de-quantized in the model's dtype) or the file's own blocks (``gguf_blocks``). Only a quantized
+target's token embedding is memory-mapped (``block_rows``: a step reads a row per token, so only
+rows ever looked up become resident); nothing else is, so the resident set never holds the file on
+top of the model, and no dense float copy of the weights is ever written to disk (the index
+replaces the gigabytes of float32 a 2B model would take there).
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ def gguf_hf_name(name: str) -> str | None:
     return f"{_TOP_NAMES[base]}.{suffix}" if base in _TOP_NAMES else None
 
 
+def _rotary_permuted(arch: str, name: str) -> bool:
+    return arch == "llama" and name.rpartition(".")[0].split(".")[-1] in ("attn_q", "attn_k")
+
+
 def unpermute_rotary_rows(w, arch: str, name: str, n_head: int, n_kv: int):  # noqa: ANN001, ANN201 - array-like
     """Undo llama.cpp's interleaving of q/k rows for rotary (llama only); rows move whole, so
     this applies to weights, to quantized codes and to per-row block scales alike."""
-    kind = name.rpartition(".")[0].split(".")[-1]
-    if arch != "llama" or kind not in ("attn_q", "attn_k"):
+    if not _rotary_permuted(arch, name):
         return w
+    kind = name.rpartition(".")[0].split(".")[-1]
     h = n_head if kind == "attn_q" else n_kv
     return w.reshape(h, w.shape[0] // h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -96,21 +101,31 @@ class GGUFTensors:
         entries = [TensorEntry(n, k, tuple(s), o, b) for n, k, s, o, b in body["tensors"]]
         return cls(body["file"], body["arch"], body["n_head"], body["n_kv"], entries)
 
-    def raw(self, entry: TensorEntry) -> np.ndarray:
-        """The tensor's bytes as stored ([rows, bytes per row] for a matrix), rows in HF order."""
-        buf = bytearray(entry.nbytes)
+    def raw(self, entry: TensorEntry, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor's bytes as stored ([rows, bytes per row] for a matrix), rows in HF order;
+        rows=(start, stop): only those rows of a matrix whose rows are stored in HF order."""
+        offset, nbytes = entry.offset, entry.nbytes
+        if rows is not None:
+            if _rotary_permuted(self.arch, entry.name):
+                raise ValueError(f"{entry.name}: its rows are stored permuted; read it whole")
+            row = entry.nbytes // entry.shape[0]
+            start, stop = rows[0], min(rows[1], entry.shape[0])
+            offset, nbytes = entry.offset + start * row, max(0, stop - start) * row
+        buf = bytearray(nbytes)
         view = memoryview(buf)
         fd = os.open(self.path, os.O_RDONLY)
         try:
             done = 0
-            while done < entry.nbytes:
-                n = os.preadv(fd, [view[done:]], entry.offset + done)
+            while done < nbytes:
+                n = os.preadv(fd, [view[done:]], offset + done)
                 if n <= 0:
                     raise OSError(f"{self.path} ends inside tensor {entry.name} (was it changed?)")
                 done += n
         finally:
             os.close(fd)
         a = np.frombuffer(buf, dtype=np.uint8)
+        if rows is not None:
+            return a.reshape(-1, entry.nbytes // entry.shape[0])
         a = a.reshape(entry.shape[0], -1) if len(entry.shape) > 1 else a
         return unpermute_rotary_rows(a, self.arch, entry.name, self.n_head, self.n_kv)
 

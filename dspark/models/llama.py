@@ -143,8 +143,9 @@ class LlamaModel(nn.Module):
                            absent: frozenset[str] = frozenset()) -> None:
         """Load HF-named weights, fusing q/k/v and gate/up; refuse missing tensors. Consumes ``sd``
         (each part is dropped once fused, so a load never holds the model twice). assign: take the
-        tensors as the parameters (a model from ``for_loading(materialize=False)``). absent: fused
-        linears (``layers.3.mlp.gate_up_proj``) whose weights are not in ``sd`` and stay unloaded."""
+        tensors as the parameters (a model from ``for_loading(materialize=False)``). absent: modules
+        (fused linears as ``layers.3.mlp.gate_up_proj``, ``embed_tokens``) whose weights are not in
+        ``sd`` and stay unloaded."""
         own = {name.removeprefix("model."): sd.pop(name) for name in list(sd)}
         c = self.config
         for i in range(c.num_hidden_layers):

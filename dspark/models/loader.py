@@ -145,7 +145,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, quan
     blocks, skip = plan_file_blocks(quantization, folder, device, dtype)
     net = LlamaModel.for_loading(LlamaConfig.from_hf(load_config(folder)), materialize=False)
     net.load_hf_state_dict(load_state_dict(folder, dtype, str(device), skip), assign=True,
-                           absent=blocks.direct if blocks else frozenset())
+                           absent=blocks.absent if blocks else frozenset())
     net = net.eval() if skip else net.to(device, dtype).eval()  # with skip: CPU, all loaded in dtype
     net.quantization = quantize_model(net, quantization, blocks, prefill_dense)
     log_summary(quantization, net.quantization)

@@ -45,7 +45,7 @@ GROUP = 32  # GGUF's block length, and the int4 group length used when quantizin
 # --------------------------------------------------------------------------- quantized tensors
 @dataclass
 class Int4Weight:
-    """4-bit codes ``q`` in [0, 15] ([N, K] int32) with per-group ``scale`` and ``zero``
+    """4-bit codes ``q`` in [0, 15] ([N, K] int32, or uint8 as read from a file) with per-group ``scale`` and ``zero``
     ([N, K / GROUP] float32): w = (q - 8) * scale + zero (the packed kernel's convention)."""
 
     q: torch.Tensor
@@ -109,15 +109,17 @@ def _scaled_codes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) ->
     return (q.float().view(n, k // GROUP, GROUP) * scale[..., None] + offset[..., None]).view(n, k)
 
 
-def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_q8_0(w: torch.Tensor | nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF's Q8_0 scheme: int8 codes [N, K] and an fp16-representable scale per 32 inputs
-    [N, K / 32] (float32), w ~ scale * q. Goes 4096 rows at a time: a 2B model's head in float32
-    temporaries would take gigabytes."""
+    [N, K / 32] (float32), w ~ scale * q. w: a tensor, or rows kept in a file's blocks
+    (``BlockRows``), de-quantized as they are quantized. Goes 4096 rows at a time: a 2B model's
+    head in float32 temporaries would take gigabytes."""
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.int8)
     scale = torch.empty(n, k // GROUP)
     for r in range(0, n, 4096):
-        g = w[r:r + 4096].float().view(-1, k // GROUP, GROUP)
+        part = w[r:r + 4096] if isinstance(w, torch.Tensor) else w.dense(r, r + 4096)
+        g = part.float().view(-1, k // GROUP, GROUP)
         s = (g.abs().amax(-1) / 127).half().float()
         q[r:r + 4096] = torch.round(g / s.clamp_min(1e-30)[..., None]).clamp(-128, 127).to(torch.int8).view(-1, k)
         scale[r:r + 4096] = s
@@ -197,7 +199,8 @@ class Int4Linear(_WeightOnly):
             self.register_buffer("scale_offset", scale_offset)
             deq = functools.partial(_scaled_codes, w.q, scale, offset)
         else:
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 2))
+            codes = w.q.to(torch.int32).contiguous()  # torch's kernel packs int32 codes
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
             # [K / GROUP, N, 2]: the kernel reads scales and offsets in the activation dtype
             sz = torch.stack([w.scale.t(), w.zero.t()], -1).contiguous().to(dtype)
             self.register_buffer("scale_zero", sz)
@@ -280,13 +283,26 @@ class Q8Linear(_WeightOnly):
 
 
 class Int8Head(Q8Linear):
-    """The LM head as a :class:`Q8Linear`. Still exposes the dense ``weight`` (tied to the
-    embedding, and read by drafters that share the target's head)."""
+    """The LM head as a :class:`Q8Linear`. Drafters that share the target's head read its rows
+    (:meth:`rows`): from the dense ``weight`` it was quantized from (tied to the embedding) where
+    the model keeps one, else de-quantized from the file's own blocks (``source``, a
+    ``BlockRows``: the model then holds no dense copy of the head at all)."""
 
-    def __init__(self, head: nn.Module, codes: torch.Tensor, scale: torch.Tensor, amx,  # noqa: ANN001
-                 int8_rows: bool = True):
-        super().__init__(codes, scale, amx, int8_rows=int8_rows, dtype=head.weight.dtype)
-        self.weight = head.weight
+    def __init__(self, head: nn.Module | None, codes: torch.Tensor, scale: torch.Tensor, amx,  # noqa: ANN001
+                 int8_rows: bool = True, source: nn.Module | None = None):
+        if (head is None) == (source is None):
+            raise ValueError("Int8Head: give the dense head or the file rows it comes from, one of them")
+        dtype = head.weight.dtype if head is not None else source.dtype
+        super().__init__(codes, scale, amx, int8_rows=int8_rows, dtype=dtype)
+        self.weight = head.weight if head is not None else None
+        self._source = (source,)  # in a tuple, not registered: as the embedding it is the model's
+
+    def rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's dense rows ``ids`` (None: all of them, a dense copy of the head)."""
+        if self.weight is not None:
+            return self.weight if ids is None else self.weight[ids]
+        src = self._source[0]
+        return src.dense(0, src.num_embeddings) if ids is None else src.rows(ids)
 
 
 def draft_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:

@@ -40,6 +40,7 @@ from dspark.models.quant import (
 )
 
 if TYPE_CHECKING:
+    from dspark.models.block_rows import BlockRows
     from dspark.models.gguf_blocks import KeptParts
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,20 @@ _LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", 
 @dataclass
 class FileBlocks:
     """A GGUF's kept layer linears (fused name -> (layout, blocks), read on lookup), the ones of
-    them built without a dense weight, and a reader of its head's Q8_0 blocks."""
+    them built without a dense weight, and a reader of its head's Q8_0 blocks. Where the head
+    becomes an :class:`Int8Head`, the embedding and the head's rows stay in the file's blocks
+    too (``embed``, ``head_rows``: ``BlockRows``, the same one for a tied head), never dense."""
 
     parts: KeptParts
     direct: frozenset[str]
     head: Callable[[], tuple[torch.Tensor, torch.Tensor] | None]
+    embed: BlockRows | None = None
+    head_rows: BlockRows | None = None
+
+    @property
+    def absent(self) -> frozenset[str]:
+        """Modules of the model whose weights the loader leaves unmade (``load_hf_state_dict``)."""
+        return self.direct | ({"embed_tokens", "lm_head"} if self.embed is not None else set())
 
 
 def _resolve(mode: str, file_kind: str | None, device: torch.device, dtype: torch.dtype) -> str:
@@ -100,7 +110,26 @@ def plan_file_blocks(mode: str, folder: str, device: torch.device, dtype: torch.
     parts, head = kept
     direct = frozenset(n for n in parts if _from_blocks(mode, parts.layouts[n], parts.rows(n), device, dtype))
     skip = frozenset(w for n in direct for w in parts.hf_weights(n))
-    return FileBlocks(parts, direct, head), skip
+    embed, head_rows = _file_rows(parts.index, direct, device, dtype)
+    if embed is not None:
+        skip |= {"model.embed_tokens.weight", "lm_head.weight"}
+    return FileBlocks(parts, direct, head, embed, head_rows), skip
+
+
+def _file_rows(index, direct: frozenset[str], device: torch.device, dtype: torch.dtype  # noqa: ANN001
+               ) -> tuple[BlockRows | None, BlockRows | None]:
+    """(embedding, head rows) kept in the file's blocks where quantize_model will make the head an
+    Int8Head (layers quantized, our kernels in this dtype, shapes in groups of 32), else Nones."""
+    from dspark.models.block_rows import BlockRows
+
+    emb = index.by_hf.get("model.embed_tokens.weight")
+    out = index.by_hf.get("lm_head.weight", emb)
+    if not direct or emb is None or _ours(dtype, device) is None:
+        return None, None
+    if len(emb.shape) != 2 or out.shape != emb.shape or emb.shape[0] % 32 or emb.shape[1] % GROUP:
+        return None, None
+    embed = BlockRows(index, emb, dtype)
+    return embed, embed if out is emb else BlockRows(index, out, dtype)
 
 
 def quantize_model(model: nn.Module, mode: str, blocks: FileBlocks | None = None, prefill_dense: bool = False
@@ -110,7 +139,15 @@ def quantize_model(model: nn.Module, mode: str, blocks: FileBlocks | None = None
     the LM head on CPU for an int8 one (when the layers are quantized and our kernels take the
     dtype) or a pre-packed dense one. Returns a summary: kernel -> count and bytes."""
     check_quantization(mode)
-    w0 = model.embed_tokens.weight
+    if blocks is not None and blocks.embed is not None:
+        model.embed_tokens = blocks.embed
+        # first: its codes and their packed copy meet while little else is resident
+        own = blocks.head()
+        codes, scale = own if own is not None else quantize_q8_0(blocks.head_rows)
+        model.lm_head = Int8Head(None, codes, scale, cpu_ops.quant(), source=blocks.head_rows)
+        del codes, scale, own
+        log.info("LM head: Int8Head; embedding and head rows mapped from the file's blocks")
+    w0 = model.norm.weight
     dev, dtype = w0.device, w0.dtype
     if mode in ("int4", "int8") and dev.type != "cpu":
         log.warning("--quantization %s has no %s kernel yet: the layers stay dense %s", mode, dev.type, dtype)
@@ -131,10 +168,12 @@ def quantize_model(model: nn.Module, mode: str, blocks: FileBlocks | None = None
             stats[0] += 1
             stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
             stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
+        if blocks is not None:
+            _return_freed_heap()  # each layer's file blocks and codes, freed: else the load peaks on them
     forget_stack(model.layers)
     if torch_kernels and dtype == torch.float32:
         log.warning("--quantization %s in float32 runs torch's slow weight-only path; bf16 is the fast one", mode)
-    if cpu_packable(model.lm_head.weight):
+    if (blocks is None or blocks.head_rows is None) and cpu_packable(model.lm_head.weight):
         quantized = bool({"Int4Linear", "Int8Linear", "Q8Linear"} & set(summary))
         model.lm_head = _cpu_head(model.lm_head, quantized, blocks.head if blocks else None)
         log.info("LM head: %s", type(model.lm_head).__name__)

@@ -209,7 +209,13 @@ class BlockDrafter(nn.Module):
         return (self.embed_tokens if self.embed_tokens is not None else self._shared[0])(ids)
 
     def _head_weight(self) -> torch.Tensor:
-        w = (self.lm_head if self.lm_head is not None else self._shared[1]).weight
+        head = self.lm_head if self.lm_head is not None else self._shared[1]
+        w = head.weight
+        if w is None:  # a shared head kept as codes (Int8Head over the file's blocks): its rows, once
+            key = (id(head), None if self.draft_to_target is None else self.draft_to_target.data_ptr())
+            if self._head_cache is None or self._head_cache[0] != key:
+                self._head_cache = (key, head.rows(self.draft_to_target))
+            return self._head_cache[1]
         if self.draft_to_target is None:
             return w
         key = (w.data_ptr(), w.dtype, w.device, w.requires_grad, self.draft_to_target.data_ptr())

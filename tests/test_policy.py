@@ -284,7 +284,7 @@ def _run_paused(folders, monkeypatch, cost: CostModel, prompts, sp):
     engine = make_engine(folders["target"], folders["dspark"], policy="load-aware")
     spec, looked = engine.spec, []
 
-    def lost(R, seconds):  # every drafter pass loses: paused from then on
+    def lost(R, seconds, decodes=None):  # every drafter pass loses: paused from then on
         spec.controller.num_draft_passes += 1
         spec.controller.skip_steps = 10**6
 

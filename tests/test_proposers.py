@@ -124,6 +124,39 @@ def test_controller_backs_off_while_drafting_loses_and_recovers():
     assert c.estimated_draft_seconds(2) == pytest.approx(2 * c.draft_seconds[1])
 
 
+def test_controller_pauses_where_measured_steps_lose_whatever_the_policy_believes():
+    class Hopeful(Policy):  # the policy's belief: drafting always pays
+        last_gain = 1.5
+
+    c = VerifyLengthController(Hopeful(), SpecStats())
+    for _ in range(3):
+        c.record_pass(4, 0.01, decodes=4)
+    assert c.skip_steps == 0 and c.gain > 1
+    for _ in range(c.MEASURED_MIN):  # drafting steps at 4 requests: 5 tokens in 0.125 s
+        assert not c.paused(4, 8, decodes=4)
+        c.observe_outcome(4, True, 5, 0.125)
+    assert c.measured_gain(4) is None
+    for _ in range(c.MEASURED_MIN):  # then plain steps are taken to measure them: 4 tokens in 0.08 s
+        assert c.paused(4, 8, decodes=4) and c.skip_steps == 0
+        c.observe_outcome(4, False, 4, 0.08)
+    assert c.measured_gain(4) == pytest.approx(40 / 50)
+    assert not c.paused(4, 8, decodes=4)  # measured enough: drafting is tried again ...
+    for _ in range(3):
+        c.record_pass(4, 0.01, decodes=4)  # ... and the measured loss pauses it
+    assert c.skip_steps > 0 and c.gain < 1 and c.lost_at == 4
+    assert c.measured_gain(2) is None  # another load keeps its own measurements
+    for _ in range(c.MEASURED_MIN):  # at 2 requests drafting pays
+        c.observe_outcome(2, True, 4, 0.1)
+        c.observe_outcome(2, False, 2, 0.07)
+    assert c.measured_gain(2) == pytest.approx(40 / (2 / 0.07))
+    assert not c.paused(2, 8, decodes=2) and c.skip_steps == 0  # the pause ends where drafting pays
+    for _ in range(c.PLAIN_EVERY - 1):  # and a plain step is taken every PLAIN_EVERY drafting steps
+        c.observe_outcome(2, True, 4, 0.1)
+    assert not c.paused(2, 8, decodes=2)
+    c.observe_outcome(2, True, 4, 0.1)
+    assert c.paused(2, 8, decodes=2)
+
+
 def test_drafter_pass_time_falls_faster_than_it_rises():
     c = VerifyLengthController(Policy(), SpecStats())
     c.record_pass(1, 0.5)  # start-up: not timed

@@ -11,6 +11,12 @@ pass: where it is below 1 when a pause runs out, the pause doubles without a pro
 MAX_BACKOFF, then a real probe); where it is 1 or more and fewer requests draft than when
 drafting last lost, the pause ends at once. So the back-off can be long under steady load without
 keeping a load that fell from speculating.
+
+The policy's gain is a belief: the drafts' confidences priced by a cost model that a shared
+machine's drift can leave behind. So the controller also measures, per number of decoding
+requests, the tokens per second that steps with a drafter pass and steps without one really
+commit (drafter pass included), taking an occasional plain step to keep the second current, and
+pauses drafting wherever the measured ratio says it loses, whatever the belief.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ class VerifyLengthController:
     profile, measured once the engine is complete)."""
 
     MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA = 4, 256, 0.25
+    # steps of each kind at a load before their measured rates judge drafting there; the rates'
+    # EMA weight; drafting steps between two plain steps taken to measure the plain rate again
+    MEASURED_MIN, RATE_EMA, PLAIN_EVERY = 6, 0.1, 64
     # a pass faster than the running time moves it more than a slower one: a shared machine's noise
     # and the first passes' set-up only ever add time (as the target's CostModel, it errs cheap)
     DRAFT_TIME_EMA, DRAFT_TIME_EMA_DOWN = 0.2, 0.5
@@ -46,23 +55,55 @@ class VerifyLengthController:
         self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
         self.lost_at = 0  # drafting requests in the pass that last paused drafting
         self.expected: dict[tuple[int, int], float] = {}  # (requests, width) -> expected gain, until the next pass
+        # (decoding requests, drafter pass or not) -> [EMA of committed tokens per second, steps]
+        self.rates: dict[tuple[int, bool], list[float]] = {}
+        self.since_plain: dict[int, int] = {}  # decoding requests -> drafting steps since a plain one
 
-    def paused(self, R: int = 1, width: int = 1) -> bool:
-        """Whether this step, with R requests that could draft up to width tokens, drafts
-        nothing (counts the paused step)."""
+    def paused(self, R: int = 1, width: int = 1, decodes: int | None = None) -> bool:
+        """Whether this step, with R requests that could draft up to width tokens (of `decodes`
+        decoding requests), drafts nothing (counts the paused step)."""
+        D = decodes or R
         if self.skip_steps == 0:
-            return False
-        if R < self.lost_at and self.expected_gain(R, width) >= 1.0:
+            return self._plain_due(D)
+        measured = self.measured_gain(D)
+        if R < self.lost_at and self.expected_gain(R, width) >= 1.0 and (measured is None or measured >= 1.0):
             self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0  # that average was another load's
             return False
         self.skip_steps -= 1
-        if self.skip_steps == 0 and self.backoff < self.MAX_BACKOFF and self.expected_gain(R, width) < 1.0:
+        gain = self.expected_gain(R, width) if measured is None else min(measured, self.expected_gain(R, width))
+        if self.skip_steps == 0 and self.backoff < self.MAX_BACKOFF and gain < 1.0:
             # even the running acceptance rates say drafting loses at this load: pause again, twice
             # as long, without paying for a probe pass (a real probe at least every MAX_BACKOFF
             # steps keeps those rates current)
             self.skip_steps = self.backoff
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
         return True
+
+    def _plain_due(self, D: int) -> bool:
+        """A plain step to measure (again) what steps without drafting commit at D requests."""
+        drafting, plain = self.rates.get((D, True)), self.rates.get((D, False))
+        if drafting is None or drafting[1] < self.MEASURED_MIN:
+            return False
+        return plain is None or plain[1] < self.MEASURED_MIN or self.since_plain.get(D, 0) >= self.PLAIN_EVERY
+
+    def observe_outcome(self, D: int, drafted: bool, committed: int, seconds: float) -> None:
+        """A decode-only step of D requests committed `committed` tokens in `seconds`, its
+        drafter pass (drafted) included."""
+        if D < 1 or not seconds > 0:
+            return
+        rate = committed / seconds
+        old = self.rates.setdefault((D, drafted), [rate, 0])
+        old[0] += max(self.RATE_EMA, 1.0 / (old[1] + 1)) * (rate - old[0])
+        old[1] += 1
+        self.since_plain[D] = self.since_plain.get(D, 0) + 1 if drafted else 0
+
+    def measured_gain(self, D: int) -> float | None:
+        """Measured tokens per second of drafting steps over plain ones at D decoding requests
+        (None until both kinds have MEASURED_MIN steps)."""
+        drafting, plain = self.rates.get((D, True)), self.rates.get((D, False))
+        if drafting is None or plain is None or min(drafting[1], plain[1]) < self.MEASURED_MIN:
+            return None
+        return drafting[0] / plain[0]
 
     def expected_gain(self, R: int, width: int) -> float:
         """The policy's best throughput over plain decoding's for R requests whose drafts survive
@@ -80,8 +121,9 @@ class VerifyLengthController:
         near = min(self.draft_seconds, key=lambda n: abs(n - R))
         return self.draft_seconds[near] * max(1.0, R / near)
 
-    def record_pass(self, R: int, seconds: float) -> None:
-        """A proposer pass over R requests took `seconds`; pause drafting while it loses."""
+    def record_pass(self, R: int, seconds: float, decodes: int | None = None) -> None:
+        """A proposer pass over R requests (of `decodes` decoding requests) took `seconds`; pause
+        drafting while it loses, by the policy's belief or by what drafting steps measured."""
         self.num_draft_passes += 1
         self.expected.clear()
         if self.num_draft_passes == 1:
@@ -96,6 +138,9 @@ class VerifyLengthController:
         gain = getattr(self.policy, "last_gain", None)
         if gain is None or not priced:
             return
+        measured = self.measured_gain(decodes or R)
+        if measured is not None:
+            gain = min(gain, measured)
         self.gain += self.GAIN_EMA * (gain - self.gain)
         if self.gain < 1.0:
             self.skip_steps, self.lost_at = self.backoff, R

@@ -51,6 +51,7 @@ class SpecRunner:
             if priced else None
         # this step's mode (begin_step): drafting paused, and whether a paused step looks chains up
         self.paused, self.lookups = False, self.assist is not None
+        self.passed = False  # whether this step's propose ran the proposer's pass
         # prefix caching shares pages, and with them the drafter's context at their slots: then
         # every request keeps its context, drafting or not (the engine sets it)
         self.shared_prefixes = False
@@ -133,7 +134,7 @@ class SpecRunner:
         rooms = [b for b in map(self._room, seqs) if b > 0]
         if not rooms:
             return
-        self.paused = self.controller.paused(len(rooms), max(rooms))
+        self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs))
         if self.paused and self.assist is not None:
             # the prefill tokens are not planned yet: priced as none (propose checks again)
             self.lookups = self._lookups_pay(len(seqs), 0)
@@ -153,6 +154,7 @@ class SpecRunner:
 
     def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, Proposal]:
         """A Proposal per drafting request; other_tokens: prefill tokens in the same pass."""
+        self.passed = False
         if self.assist is not None:
             self.assist.clear()
         budgets = [self.draft_budget(s) for s in seqs]
@@ -193,7 +195,8 @@ class SpecRunner:
         for sid in looked:
             self.assist.send(sid, looked[sid], len(out[sid].tokens))
         if neural:
-            self.controller.record_pass(len(neural), time.perf_counter() - t0)
+            self.passed = True
+            self.controller.record_pass(len(neural), time.perf_counter() - t0, len(seqs))
         if paused:  # a chain the policy cut to nothing leaves a plain step, as the pause would
             return {sid: p for sid, p in out.items() if p.tokens}
         return out
@@ -204,6 +207,12 @@ class SpecRunner:
         cost = getattr(self.policy, "cost", None)
         if cost is not None:
             cost.observe(tokens, seconds)
+
+    def observe_outcome(self, decodes: int, committed: int, seconds: float) -> None:
+        """A decode-only step's requests, the tokens they committed and its wall seconds, drafter
+        pass included: the controller's measured gain of drafting."""
+        if self.controller is not None and not self.proposer.deterministic:
+            self.controller.observe_outcome(decodes, self.passed, committed, seconds)
 
     def commit(self, ctx_rows, result) -> None:
         """Called after each forward with (seq, first new position, batch rows kept there in order)."""

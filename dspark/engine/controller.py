@@ -80,7 +80,10 @@ class VerifyLengthController:
         return True
 
     def _plain_due(self, D: int) -> bool:
-        """A plain step to measure (again) what steps without drafting commit at D requests."""
+        """A plain step to measure (again) what steps without drafting commit at D requests
+        (only under a policy that prices steps: fixed and threshold verify what they are told)."""
+        if not hasattr(self.policy, "last_gain"):
+            return False
         drafting, plain = self.rates.get((D, True)), self.rates.get((D, False))
         if drafting is None or drafting[1] < self.MEASURED_MIN:
             return False

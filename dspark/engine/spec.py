@@ -52,6 +52,7 @@ class SpecRunner:
         # this step's mode (begin_step): drafting paused, and whether a paused step looks chains up
         self.paused, self.lookups = False, self.assist is not None
         self.passed = False  # whether this step's propose ran the proposer's pass
+        self.verified = False  # ... and whether it proposed any token to verify
         # prefix caching shares pages, and with them the drafter's context at their slots: then
         # every request keeps its context, drafting or not (the engine sets it)
         self.shared_prefixes = False
@@ -154,6 +155,11 @@ class SpecRunner:
 
     def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, Proposal]:
         """A Proposal per drafting request; other_tokens: prefill tokens in the same pass."""
+        out = self._propose(seqs, other_tokens)
+        self.verified = any(p.tokens or p.tree is not None for p in out.values())
+        return out
+
+    def _propose(self, seqs: list[Sequence], other_tokens: int) -> dict[int, Proposal]:
         self.passed = False
         if self.assist is not None:
             self.assist.clear()
@@ -211,7 +217,9 @@ class SpecRunner:
     def observe_outcome(self, decodes: int, committed: int, seconds: float) -> None:
         """A decode-only step's requests, the tokens they committed and its wall seconds, drafter
         pass included: the controller's measured gain of drafting."""
-        if self.controller is not None and not self.proposer.deterministic:
+        if self.controller is None or self.proposer.deterministic:
+            return
+        if self.passed or not self.verified:  # a step that verified looked-up chains is neither kind
             self.controller.observe_outcome(decodes, self.passed, committed, seconds)
 
     def commit(self, ctx_rows, result) -> None:

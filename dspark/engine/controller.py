@@ -65,12 +65,11 @@ class VerifyLengthController:
         D = decodes or R
         if self.skip_steps == 0:
             return self._plain_due(D)
-        measured = self.measured_gain(D)
-        if R < self.lost_at and self.expected_gain(R, width) >= 1.0 and (measured is None or measured >= 1.0):
+        gain = self._judged(self.expected_gain(R, width), D)
+        if R < self.lost_at and gain >= 1.0:
             self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0  # that average was another load's
             return False
         self.skip_steps -= 1
-        gain = self.expected_gain(R, width) if measured is None else min(measured, self.expected_gain(R, width))
         if self.skip_steps == 0 and self.backoff < self.MAX_BACKOFF and gain < 1.0:
             # even the running acceptance rates say drafting loses at this load: pause again, twice
             # as long, without paying for a probe pass (a real probe at least every MAX_BACKOFF
@@ -108,6 +107,11 @@ class VerifyLengthController:
             return None
         return drafting[0] / plain[0]
 
+    def _judged(self, belief: float, D: int) -> float:
+        """The policy's expected gain, or the measured one at D requests where that is lower."""
+        measured = self.measured_gain(D)
+        return belief if measured is None else min(belief, measured)
+
     def expected_gain(self, R: int, width: int) -> float:
         """The policy's best throughput over plain decoding's for R requests whose drafts survive
         at the running per-position acceptance rates (0 for policies that do not price steps)."""
@@ -141,10 +145,7 @@ class VerifyLengthController:
         gain = getattr(self.policy, "last_gain", None)
         if gain is None or not priced:
             return
-        measured = self.measured_gain(decodes or R)
-        if measured is not None:
-            gain = min(gain, measured)
-        self.gain += self.GAIN_EMA * (gain - self.gain)
+        self.gain += self.GAIN_EMA * (self._judged(gain, decodes or R) - self.gain)
         if self.gain < 1.0:
             self.skip_steps, self.lost_at = self.backoff, R
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)

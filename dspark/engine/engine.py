@@ -254,13 +254,12 @@ class Engine:
         accept(works, result.logits)
         attach_logprobs(works, result.logits)
         attach_prompt_logprobs(works, result.hidden, self.runner)
-        before = sum(len(w.seq.output_ids) for w in works)
+        generated = self.spec_stats.generated  # _commit adds the decode rows' committed tokens
         touched = self._commit(works, result)
         if not prefill:  # the acceptance read the logits, so the pass has finished on any device
             seconds = time.perf_counter() - t0 - t_draft
             self.spec.observe_step(len(rows), seconds)  # the policy's cost model, if it prices steps
-            committed = sum(len(w.seq.output_ids) for w in works) - before
-            self.spec.observe_outcome(len(decode), committed, seconds + t_draft)
+            self.spec.observe_outcome(len(decode), self.spec_stats.generated - generated, seconds + t_draft)
             if self.cost is not None and self.cost is not getattr(self.spec.policy, "cost", None):
                 self.cost.observe(len(rows), seconds)  # the stall bound's alone
         return self._drain_finished(touched)

@@ -104,11 +104,11 @@ class GGUFTensors:
     def raw(self, entry: TensorEntry, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor's bytes as stored ([rows, bytes per row] for a matrix), rows in HF order;
         rows=(start, stop): only those rows of a matrix whose rows are stored in HF order."""
-        offset, nbytes = entry.offset, entry.nbytes
+        offset, nbytes, row = entry.offset, entry.nbytes, 0
         if rows is not None:
+            row = entry.nbytes // entry.shape[0]
             if _rotary_permuted(self.arch, entry.name):
                 raise ValueError(f"{entry.name}: its rows are stored permuted; read it whole")
-            row = entry.nbytes // entry.shape[0]
             start, stop = rows[0], min(rows[1], entry.shape[0])
             offset, nbytes = entry.offset + start * row, max(0, stop - start) * row
         buf = bytearray(nbytes)
@@ -125,7 +125,7 @@ class GGUFTensors:
             os.close(fd)
         a = np.frombuffer(buf, dtype=np.uint8)
         if rows is not None:
-            return a.reshape(-1, entry.nbytes // entry.shape[0])
+            return a.reshape(-1, row)
         a = a.reshape(entry.shape[0], -1) if len(entry.shape) > 1 else a
         return unpermute_rotary_rows(a, self.arch, entry.name, self.n_head, self.n_kv)
 

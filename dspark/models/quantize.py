@@ -126,7 +126,7 @@ def _file_rows(index, direct: frozenset[str], device: torch.device, dtype: torch
     out = index.by_hf.get("lm_head.weight", emb)
     if not direct or emb is None or _ours(dtype, device) is None:
         return None, None
-    if len(emb.shape) != 2 or out.shape != emb.shape or emb.shape[0] % 32 or emb.shape[1] % GROUP:
+    if len(emb.shape) != 2 or out.shape != emb.shape or not _int8_head_shape(emb.shape):
         return None, None
     embed = BlockRows(index, emb, dtype)
     return embed, embed if out is emb else BlockRows(index, out, dtype)
@@ -142,10 +142,7 @@ def quantize_model(model: nn.Module, mode: str, blocks: FileBlocks | None = None
     if blocks is not None and blocks.embed is not None:
         model.embed_tokens = blocks.embed
         # first: its codes and their packed copy meet while little else is resident
-        own = blocks.head()
-        codes, scale = own if own is not None else quantize_q8_0(blocks.head_rows)
-        model.lm_head = Int8Head(None, codes, scale, cpu_ops.quant(), source=blocks.head_rows)
-        del codes, scale, own
+        model.lm_head = _int8_head(cpu_ops.quant(), blocks.head, source=blocks.head_rows)
         log.info("LM head: Int8Head; embedding and head rows mapped from the file's blocks")
     w0 = model.norm.weight
     dev, dtype = w0.device, w0.dtype
@@ -183,11 +180,23 @@ def quantize_model(model: nn.Module, mode: str, blocks: FileBlocks | None = None
 def _cpu_head(head: nn.Module, quantized: bool, head_blocks) -> nn.Module:  # noqa: ANN001
     w = head.weight
     amx = _ours(w.dtype, w.device) if quantized and getattr(head, "bias", None) is None else None
-    if amx is None or w.shape[0] % 32 or w.shape[1] % GROUP:
+    if amx is None or not _int8_head_shape(w.shape):
         return PackedHead(head) if w.dtype in (torch.bfloat16, torch.float16) else head
+    return _int8_head(amx, head_blocks, head=head)
+
+
+def _int8_head_shape(shape: tuple[int, ...]) -> bool:
+    """Whether a head of this [vocab, hidden] shape fits the int8 kernels' tiles and groups."""
+    return shape[0] % 32 == 0 and shape[1] % GROUP == 0
+
+
+def _int8_head(amx, head_blocks, head: nn.Module | None = None, source: BlockRows | None = None  # noqa: ANN001
+               ) -> Int8Head:
+    """The head as int8: the file's own Q8_0 blocks where it has them, else quantized to Q8_0 from
+    the dense head or from the file's rows (``source``)."""
     own = head_blocks() if head_blocks is not None else None
-    codes, scale = own if own is not None else quantize_q8_0(w.detach())
-    return Int8Head(head, codes, scale, amx)
+    codes, scale = own if own is not None else quantize_q8_0(head.weight.detach() if source is None else source)
+    return Int8Head(head, codes, scale, amx, source=source)
 
 
 def _build(lin: Linear, kind: str, parts: tuple[str, Int4Weight | Int8Weight] | None, device: torch.device,

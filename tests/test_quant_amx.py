@@ -112,6 +112,30 @@ def test_vnni_build_gives_the_tile_paths_bits(monkeypatch: pytest.MonkeyPatch) -
     assert torch.equal(vnni.mm8(x, *vnni.pack8(codes, scale)), want[1])
 
 
+
+def test_symmetric_int4_keeps_scales_alone_with_the_same_bits() -> None:
+    """Q4_0's w = d * (q - 8): an Int4Linear stores its scales alone (half the scale bytes) and
+    every row count, and prompt rows where the build has mm_prompt, give the bits the same weight
+    packed with its offsets stored gives."""
+    from dspark.models.quant import Int4Weight
+
+    qw = _int4(64, 256, seed=4)
+    q4_0 = Int4Weight(qw.q.to(torch.uint8), qw.scale.half().float(), torch.zeros_like(qw.scale))
+    lin = Int4Linear(q4_0, None, DT)
+    assert lin.scale_offset.numel() == 64 * 256 // 32  # one fp16 scale per group, no offsets
+    amx = cpu_ops.quant()
+    offset = -8 * q4_0.scale
+    packed, stored = amx.pack(q4_0.q, q4_0.scale, offset)
+    assert torch.equal(packed, lin.packed) and stored.numel() == 2 * lin.scale_offset.numel()
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5)).to(DT)
+    for rows in (1, 3, 8, 16, 17, 40):
+        assert torch.equal(lin(x[:rows]), amx.mm(x[:rows], packed, stored)), rows
+    if hasattr(amx, "mm_prompt"):
+        assert torch.equal(amx.mm_prompt(x, lin.packed, lin.scale_offset), amx.mm_prompt(x, packed, stored))
+    with pytest.raises(RuntimeError, match="int8 codes take no offsets"):
+        codes, scale = quantize_q8_0(torch.randn(64, 128))
+        amx.pack(codes, scale, scale)
+
 def test_bad_input_is_a_clear_error() -> None:
     amx = cpu_ops.quant()
     q = torch.randint(0, 16, (48, 64), dtype=torch.uint8)

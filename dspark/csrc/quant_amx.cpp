@@ -56,8 +56,8 @@ inline __m512 combine(__m512 acc, __m512i dot, __m512 d, __m512 m, float dx, flo
 // int4 weights, int8 activations (see the header). Column tiles go in pairs: two independent
 // chains per group keep the units busy.
 void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
-             int64_t n, int64_t pairs) {
-  const int64_t k = x.size(1), g = k / kGroup, scales = 2 * kCols;
+             int64_t n, int64_t pairs, bool sym) {
+  const int64_t k = x.size(1), g = k / kGroup, scales = (sym ? 1 : 2) * kCols;
   const bool vnni = rows <= kVnniRowsInt4;
   const QuantizedRows qr = quantize_batch(x, rows, vnni);
   const int8_t* xqp = qr.xq;
@@ -80,7 +80,8 @@ void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_
         for (int j = 0; j < 2; ++j) {
           widen(wt[j] + gi * kTileBytes, w[j]);
           dv[j] = half16(dm[j] + gi * scales);
-          mv[j] = half16(dm[j] + gi * scales + kCols);
+          // symmetric: m = -8 d, exact in fp32 (the bits a stored fp16 offset gives)
+          mv[j] = sym ? _mm512_mul_ps(dv[j], _mm512_set1_ps(-8.0f)) : half16(dm[j] + gi * scales + kCols);
         }
         if (vnni) {
           for (int64_t r = 0; r < rows; ++r) {
@@ -230,7 +231,7 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
   if (s.bytes) {
     mm_int8(x, rows, wp, dmp, yp, n, pairs);
   } else {
-    mm_int4(x, rows, wp, dmp, yp, n, pairs);
+    mm_int4(x, rows, wp, dmp, yp, n, pairs, s.sym);
   }
   return y;
 }

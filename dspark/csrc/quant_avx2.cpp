@@ -113,8 +113,9 @@ inline void widen_half(const uint8_t* src, int h, __m256i w[8]) {
   }
 }
 
-void mm_int4(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const uint16_t* dmp, float* yp, int64_t n) {
-  const int64_t g = k / kGroup, tiles = n / kCols, scales = 2 * kCols;
+void mm_int4(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const uint16_t* dmp, float* yp, int64_t n,
+             bool sym) {
+  const int64_t g = k / kGroup, tiles = n / kCols, scales = (sym ? 1 : 2) * kCols;
   const QuantizedRows qr = quantize_batch(xp, rows, k);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<__m256> acc(rows * 2);
@@ -128,7 +129,8 @@ void mm_int4(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const 
         prefetch(wt + (gi + kAhead) * kTileBytes, kTileBytes);
         for (int h = 0; h < 2; ++h) {
           widen_half(wt + gi * kTileBytes, h, w);
-          const __m256 dv = half8(dm + gi * scales + 8 * h), mv = half8(dm + gi * scales + kCols + 8 * h);
+          const __m256 dv = half8(dm + gi * scales + 8 * h);  // symmetric: m = -8 d, exact
+          const __m256 mv = sym ? _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)) : half8(dm + gi * scales + kCols + 8 * h);
           for (int64_t r = 0; r < rows; ++r) {
             const int8_t* xr = qr.xq + r * k + gi * kGroup;
             __m256i s0 = _mm256_maddubs_epi16(w[0], quad(xr)), s1 = _mm256_maddubs_epi16(w[1], quad(xr + 4));
@@ -209,7 +211,7 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
   if (s.rows == 0) return y;
   const at::Tensor x = x_in.contiguous();
   mm_int4(x.data_ptr<float>(), s.rows, s.k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
-          reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), s.n);
+          reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), s.n, s.sym);
   return y;
 }
 

@@ -32,10 +32,13 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
 
 // x [rows, k] times a packed weight of n outputs; bytes: int8 codes (pack()'s Q8_0), else int4.
 // split: a pack8 weight in the k-quant form (two scales per group, one per 16 inputs, and an offset).
+// sym: an int4 weight whose offsets are all -8 * scale (GGUF's Q4_0: w = d * (q - 8)), packed
+// with its scales alone.
 struct MatmulShape {
   int64_t rows, k, n;
   bool bytes;
   bool split = false;
+  bool sym = false;
 };
 
 // mm's arguments checked: x [M, K] of dtype rows (the build's), a weight from pack() with its

@@ -13,15 +13,16 @@
 namespace dspark::amx {
 
 // codes [N, K] (uint8 in [0, 15] with offsets m: int4; int8 without: Q8_0), d and m [N, K / 32]
-// -> (packed codes [N/16, G, tile bytes], fp16 scales [N/16, G, 2 (d|m) or 1 (d), 16]).
+// -> (packed codes [N/16, G, tile bytes], fp16 scales [N/16, G, 2 (d|m) or 1 (d), 16]). int4 codes
+// without offsets are the symmetric form w = d * (q - 8) (Q4_0's): d alone, half the scale bytes.
 std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
   const bool bytes = q.scalar_type() == at::kChar;
   TORCH_CHECK(q.dim() == 2 && (bytes || q.scalar_type() == at::kByte), "pack: codes must be [N, K] uint8 or int8");
   const int64_t n = q.size(0), k = q.size(1), g = k / kGroup;
   TORCH_CHECK(n % (2 * kCols) == 0 && k % kGroup == 0, "pack: N must divide by 32 and K by 32");
   TORCH_CHECK(d.dim() == 2 && d.size(0) == n && d.size(1) == g, "pack: scales must be [N, K / 32]");
-  TORCH_CHECK(bytes != m.has_value(), "pack: int4 codes need offsets [N, K / 32], int8 codes take none");
-  TORCH_CHECK(bytes || m->sizes() == d.sizes(), "pack: offsets must be [N, K / 32]");
+  TORCH_CHECK(!(bytes && m.has_value()), "pack: int8 codes take no offsets");
+  TORCH_CHECK(!m.has_value() || m->sizes() == d.sizes(), "pack: offsets must be [N, K / 32]");
   auto qc = q.contiguous();
   const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
   auto packed = at::zeros({n / kCols, g, tile_bytes}, q.options());
@@ -41,7 +42,7 @@ std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std
         }
     }
   auto per_tile = [&](const at::Tensor& v) { return v.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}); };
-  auto dm = bytes ? per_tile(d).unsqueeze(2).contiguous() : at::stack({per_tile(d), per_tile(*m)}, 2).contiguous();
+  auto dm = m.has_value() ? at::stack({per_tile(d), per_tile(*m)}, 2).contiguous() : per_tile(d).unsqueeze(2).contiguous();
   return {packed, dm};
 }
 
@@ -101,13 +102,15 @@ MatmulShape check_mm(const at::Tensor& x, at::ScalarType rows, const at::Tensor&
   check_rows("mm", x, rows);
   const bool bytes = packed.scalar_type() == at::kChar;
   const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
-  const int64_t scales = (bytes ? 1 : 2) * kCols;  // fp16 values per (column tile, group): d, and m for int4
   TORCH_CHECK(packed.dim() == 3 && (bytes || packed.scalar_type() == at::kByte) && packed.size(2) == tile_bytes &&
               packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm: not a packed weight");
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == packed.size(0) * packed.size(1) * scales,
+  // fp16 values per (column tile, group): d, and m for int4 unless symmetric
+  const int64_t cells = packed.size(0) * packed.size(1) * kCols;
+  const bool sym = !bytes && dm.numel() == cells;
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && (dm.numel() == (bytes ? 1 : 2) * cells || sym),
               "mm: scales must be the fp16 tensor pack() returned");
   check_inputs("mm", x.size(1), packed);
-  return {x.size(0), x.size(1), packed.size(0) * kCols, bytes};
+  return {x.size(0), x.size(1), packed.size(0) * kCols, bytes, false, sym};
 }
 
 MatmulShape check_mm8(const at::Tensor& x, at::ScalarType rows, const at::Tensor& packed, const at::Tensor& dm,

@@ -33,7 +33,7 @@ at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at:
   const int64_t rows = s.rows, k = s.k, n = s.n, g = k / kGroup, pairs = packed.size(0) / 2;
   // per (column tile, group): packed bytes, fp16 values (int4: d, m; pack8: d, or d_lo, d_hi, m)
   const int64_t tile_bytes = codes8 ? 2 * kTileBytes : kTileBytes;
-  const int64_t scales = codes8 ? (s.split ? 3 : 1) * kCols : 2 * kCols;
+  const int64_t scales = codes8 ? (s.split ? 3 : 1) * kCols : (s.sym ? 1 : 2) * kCols;
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0) return y;
   const int64_t padded = (rows + 15) / 16 * 16;
@@ -57,7 +57,7 @@ at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at:
           __m512 d_lo = half16(sc), d_hi = d_lo, m = _mm512_setzero_ps();
           if (!codes8) {
             widen(src, w);
-            m = half16(sc + kCols);
+            m = s.sym ? _mm512_mul_ps(d_lo, _mm512_set1_ps(-8.0f)) : half16(sc + kCols);
           } else {
             for (int q = 0; q < 8; ++q) w[q] = _mm512_loadu_si512(src + 64 * q);
             if (s.split) {

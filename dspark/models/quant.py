@@ -194,7 +194,9 @@ class Int4Linear(_WeightOnly):
             # a GGUF's own fp16 scales and offsets: Q4_0/Q4_1's exactly, Q4_K's d * sc rounded to fp16
             scale = w.scale.half().float()
             offset = (w.zero.double() - 8 * w.scale.double()).half().float()
-            packed, scale_offset = self.amx.pack(w.q.to(torch.uint8), scale, offset)
+            # offsets that are all -8 * scale (Q4_0) go unstored: the kernels derive them, same bits
+            sym = bool(torch.equal(offset, -8 * scale))
+            packed, scale_offset = self.amx.pack(w.q.to(torch.uint8), scale, None if sym else offset)
             self.register_buffer("packed", packed)
             self.register_buffer("scale_offset", scale_offset)
             deq = functools.partial(_scaled_codes, w.q, scale, offset)

@@ -13,14 +13,18 @@ MODEL=${1:-}
 KV=${2:-4096}
 PORT=${PORT:-8123}
 LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/dspark/llama.cpp/build/bin/llama-server}
-BODY='{"model":"x","messages":[{"role":"user","content":"Write a haiku about rain."}],"max_tokens":32,"temperature":0}'
+MESSAGES='"messages":[{"role":"user","content":"Write a haiku about rain."}],"max_tokens":32,"temperature":0'
 
 measure() {  # name, then the server command; prints one line
   local name=$1; shift
   "$@" > /dev/null 2>&1 &
   local pid=$!
   for _ in $(seq 1 600); do curl -sf "localhost:$PORT/health" > /dev/null && break; sleep 1; done
-  curl -s "localhost:$PORT/v1/chat/completions" -H 'content-type: application/json' -d "$BODY" > /dev/null
+  # the server's own model name (dspark answers an unknown one with 404, and the request must run)
+  local model
+  model=$(curl -s "localhost:$PORT/v1/models" | python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  curl -s "localhost:$PORT/v1/chat/completions" -H 'content-type: application/json' \
+    -d "{\"model\":\"$model\",$MESSAGES}" | grep -q '"choices"' || echo "$name: the request failed" >&2
   local hwm rss
   hwm=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status")
   rss=$(awk '/VmRSS/ {print $2}' "/proc/$pid/status")

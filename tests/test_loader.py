@@ -309,3 +309,17 @@ def test_load_tokenizer_missing(tmp_path) -> None:  # noqa: ANN001
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ModelLoadError, match="cannot load a tokenizer"):
         loader.load_tokenizer(str(tmp_path))
+
+
+def test_loading_the_default_model_imports_no_compiler(smol: tuple[str, str]) -> None:
+    """The default model loads without importing torch._dynamo (and with it triton and
+    sympy, ~0.14 GB resident for a server's life): placeholder weights skip torch's random init."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from dspark.models.loader import load_model; import torch\n"
+            "net, _ = load_model(None, torch.device('cpu'), torch.bfloat16, 'auto')\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -19,6 +19,7 @@ from dspark.models.layers import (  # noqa: F401 - re-exported: the layers' hist
     MLP,
     Attention,
     DecoderLayer,
+    Embedding,
     Linear,
     RMSNorm,
     Rotary,
@@ -93,7 +94,7 @@ class LlamaModel(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)

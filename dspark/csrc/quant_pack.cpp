@@ -48,7 +48,7 @@ std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std
 
 // int8 codes [N, K] and scales [N, K / 32] -> (codes [N/16, G, 512], 64 bytes q holding k = 4q ..
 // 4q + 3 of the 16 columns as widen()'s output does, fp16 scales [N/16, G, 16], the codes' sum
-// per column and group [N/16, G, 16] int32), for mm8. The k-quant form (split), for GGUF's
+// per column and group [N/16, G, 16] int16), for mm8. The k-quant form (split), for GGUF's
 // Q6_K / Q5_K / Q4_K blocks: scales [N, K / 16] (one per half group) and/or offsets m
 // [N, K / 32] (w = d * q + m) -> fp16 (d of inputs 0-15, d of 16-31, m) [N/16, G, 3, 16] and
 // code sums per half group [N/16, G, 2, 16].
@@ -63,10 +63,11 @@ std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d, const st
   const int64_t halves = split ? 2 : 1;
   auto qc = q.contiguous();
   auto packed = at::zeros({n / kCols, g, 2 * kTileBytes}, q.options());
-  auto wsum = at::zeros({n / kCols, g, halves, kCols}, q.options().dtype(at::kInt));
+  // int16: |a sum of 32 codes| <= 4096; half the bytes of int32 sums (the split form: 1/8 byte a weight)
+  auto wsum = at::zeros({n / kCols, g, halves, kCols}, q.options().dtype(at::kShort));
   const int8_t* src = qc.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
-  int32_t* sum = wsum.data_ptr<int32_t>();
+  int16_t* sum = wsum.data_ptr<int16_t>();
   for (int64_t t = 0; t < n / kCols; ++t)
     for (int64_t gi = 0; gi < g; ++gi)
       for (int col = 0; col < kCols; ++col)
@@ -121,7 +122,7 @@ MatmulShape check_mm8(const at::Tensor& x, at::ScalarType rows, const at::Tensor
   const int64_t cells = packed.size(0) * packed.size(1) * kCols;
   const bool split = dm.numel() == 3 * cells;  // the k-quant form: two scales and an offset per cell
   TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && (dm.numel() == cells || split) &&
-              wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == (split ? 2 : 1) * cells,
+              wsum.scalar_type() == at::kShort && wsum.is_contiguous() && wsum.numel() == (split ? 2 : 1) * cells,
               "mm8: scales and sums must be the tensors pack8 returned");
   check_inputs("mm8", x.size(1), packed);
   return {x.size(0), x.size(1), packed.size(0) * kCols, true, split};

@@ -24,7 +24,7 @@ namespace dspark::amx {
 // m * (dx * sum xq), as the int4 kernel's: acc += S_lo * (d_lo * dx); acc += S_hi * (d_hi * dx);
 // acc += m * cx. Always on VNNI (amx_tiles.h says why).
 template <bool kSplit>
-void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, const int32_t* wsp,
+void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, const int16_t* wsp,
                 c10::BFloat16* yp, int64_t n, int64_t pairs) {
   constexpr int64_t kScales = kSplit ? 3 * kCols : kCols, kSums = kSplit ? 2 * kCols : kCols;
   const int64_t k = x.size(1), g = k / kGroup, tile_bytes = 2 * kTileBytes;
@@ -43,7 +43,7 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
       const uint8_t* wt[2] = {wp + t * g * tile_bytes, wp + (t + 1) * g * tile_bytes};
       const uint16_t* dm[2] = {dmp + t * g * kScales, dmp + (t + 1) * g * kScales};
-      const int32_t* ws[2] = {wsp + t * g * kSums, wsp + (t + 1) * g * kSums};
+      const int16_t* ws[2] = {wsp + t * g * kSums, wsp + (t + 1) * g * kSums};
       for (int64_t gi = 0; gi < g; ++gi) {
         prefetch(wt[0] + (gi + kAhead) * tile_bytes, tile_bytes);
         prefetch(wt[1] + (gi + kAhead) * tile_bytes, tile_bytes);
@@ -71,7 +71,8 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
           for (int j = 0; j < 2; ++j) {
             for (int q = 0; q < 8; ++q) w[j][q] = _mm512_loadu_si512(wt[j] + gi * tile_bytes + 64 * q);
             for (int h = 0; h < (kSplit ? 2 : 1); ++h)
-              off[j][h] = _mm512_slli_epi32(_mm512_loadu_si512(ws[j] + gi * kSums + h * kCols), 7);
+              off[j][h] = _mm512_slli_epi32(
+                  _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws[j] + gi * kSums + h * kCols))), 7);
           }
           for (int64_t r = 0; r < rows; ++r) {
             const int8_t* xr = xqp + r * k + gi * kGroup;
@@ -131,9 +132,9 @@ at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tenso
   const auto* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
   const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   if (s.split) {
-    mm_q8_rows<true>(x, rows, wp, dmp, wsum.data_ptr<int32_t>(), y.data_ptr<c10::BFloat16>(), n, pairs);
+    mm_q8_rows<true>(x, rows, wp, dmp, wsum.data_ptr<int16_t>(), y.data_ptr<c10::BFloat16>(), n, pairs);
   } else {
-    mm_q8_rows<false>(x, rows, wp, dmp, wsum.data_ptr<int32_t>(), y.data_ptr<c10::BFloat16>(), n, pairs);
+    mm_q8_rows<false>(x, rows, wp, dmp, wsum.data_ptr<int16_t>(), y.data_ptr<c10::BFloat16>(), n, pairs);
   }
   return y;
 }

@@ -36,6 +36,7 @@ from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.structured import GrammarCache
 from dspark.engine.verify import Work, accept, layout
 from dspark.models.loader import load_model, load_tokenizer, resolve_model_folder
+from dspark.models.quantize import return_freed_heap
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class Engine:
         self._grammars: GrammarCache | None = None  # compiled on the first structured-output request
         self.draft_time = 0.0  # wall seconds spent in the drafter's proposals (bench: draft_share)
         self._finished_pending: list[Sequence] = []
+        return_freed_heap()
 
     def _cost_model(self) -> CostModel:
         if self.cost is None:

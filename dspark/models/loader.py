@@ -154,16 +154,20 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, quan
 
 def load_tokenizer(folder: str, chat_template: str | None = None):  # noqa: ANN201 - a transformers tokenizer
     """``AutoTokenizer`` from ``folder`` (local files only), checked to keep its chat template;
-    chat_template (a template's text) replaces that template."""
-    from transformers import AutoTokenizer
+    chat_template (a template's text) replaces that template. A folder whose tokenizer config
+    names ``TokenizersBackend`` (every GGUF's converted folder) loads that class directly, the one
+    AutoTokenizer picks for it: AutoTokenizer first reads the model's config through
+    transformers' model classes, ~70 MB resident for nothing a server uses."""
+    from transformers import AutoTokenizer, TokenizersBackend
 
+    cfg = pathlib.Path(folder) / "tokenizer_config.json"
     try:
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        settings = json.loads(cfg.read_text(encoding="utf-8")) if cfg.exists() else {}
+        direct = settings.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in settings
+        tok = (TokenizersBackend if direct else AutoTokenizer).from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {folder!r}: {e}") from e
-    cfg = pathlib.Path(folder) / "tokenizer_config.json"
-    had = (pathlib.Path(folder) / "chat_template.jinja").exists() or (
-        cfg.exists() and "chat_template" in json.loads(cfg.read_text(encoding="utf-8")))
+    had = (pathlib.Path(folder) / "chat_template.jinja").exists() or "chat_template" in settings
     if had and not tok.chat_template:
         raise ModelLoadError(f"tokenizer in {folder!r} lost its chat template")
     if chat_template is not None:

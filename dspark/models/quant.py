@@ -214,7 +214,7 @@ class Int4Linear(_WeightOnly):
         (the decoder stack's form), else None."""
         if self.amx is None or self.bias is not None:
             return None
-        return self.packed, self.scale_offset, torch.empty(0, dtype=torch.int32)
+        return self.packed, self.scale_offset, torch.empty(0, dtype=torch.int16)
 
     def _prompt_args(self) -> tuple[torch.Tensor, ...] | None:
         if self.amx is None or not hasattr(self.amx, "mm_prompt"):
@@ -265,7 +265,7 @@ class Q8Linear(_WeightOnly):
         if int8_rows:
             packed, scale, sums = amx.pack8(codes, scale, zero)
         else:
-            (packed, scale), sums = amx.pack(codes, scale), torch.empty(0, dtype=torch.int32)
+            (packed, scale), sums = amx.pack(codes, scale), torch.empty(0, dtype=torch.int16)
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
         self.register_buffer("sums", sums)  # empty: bf16 rows

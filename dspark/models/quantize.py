@@ -166,7 +166,7 @@ def quantize_model(model: nn.Module, mode: str, blocks: FileBlocks | None = None
             stats[1] += sum(b.numel() * b.element_size() for b in new.buffers())
             stats[1] += sum(p.numel() * p.element_size() for p in new.parameters())
         if blocks is not None:
-            _return_freed_heap()  # each layer's file blocks and codes, freed: else the load peaks on them
+            return_freed_heap()  # each layer's file blocks and codes, freed: else the load peaks on them
     forget_stack(model.layers)
     if torch_kernels and dtype == torch.float32:
         log.warning("--quantization %s in float32 runs torch's slow weight-only path; bf16 is the fast one", mode)
@@ -229,12 +229,13 @@ def _build(lin: Linear, kind: str, parts: tuple[str, Int4Weight | Int8Weight] | 
 def log_summary(mode: str, summary: dict) -> None:
     """One line naming the kernels the layers got, then the freed float copies handed back."""
     log.info("decoder-layer linears (--quantization %s): %s", mode, summary)
-    _return_freed_heap()
+    return_freed_heap()
 
 
-def _return_freed_heap() -> None:
-    """Loading and quantizing free a few hundred MB of float32 copies that glibc keeps mapped;
-    hand them back to the OS so the server's resident set shows what it holds."""
+def return_freed_heap() -> None:
+    """Loading and quantizing free a few hundred MB of float32 copies that glibc keeps mapped
+    (and an engine's start-up, its tokenizer and drafter, tens more); hand them back to the OS so
+    the server's resident set shows what it holds."""
     import ctypes
     import ctypes.util
 

@@ -16,7 +16,7 @@ from test_quant_amx import _int8_rows
 from dspark.config import SamplingParams
 from dspark.models import cpu_ops
 from dspark.models.gguf_blocks import gguf_blocks
-from dspark.models.quant import Int8Weight, Q8Linear
+from dspark.models.quant import Int4Linear, Int4Weight, Int8Weight, Q8Linear
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -126,6 +126,35 @@ def test_k_quant_kernel_rows() -> None:
     with pytest.raises(ValueError, match="need int8_rows"):
         Q8Linear(codes, scale, amx, int8_rows=False, dtype=dtype, zero=zero)
 
+
+def test_q4_k_keeps_its_own_scales() -> None:
+    """A Q4_K tensor on our int4 kernel keeps the file's super-block scales (fp16 d and dmin per 256
+    inputs, 6-bit scales and mins per 32: 2.5 bytes a group and column, not fp16 scale and offset's
+    4); its rows are those the same values stored in full give, bit for bit (decode rows, tiles,
+    prompt rows), and gguf's own de-quantization within the int8 rows' rounding."""
+    amx = cpu_ops.quant()
+    require_kernels(amx, quant=True)
+    w = _weights(64, 512, seed=3)
+    raw = _q4_k_bytes(w)
+    got = gguf_blocks(raw, "Q4_K", w.shape)
+    assert isinstance(got, Int4Weight) and got.q4k is not None
+    dtype = cpu_ops.quant_dtype()
+    lin = Int4Linear(got, None, dtype)
+    assert lin.scale_offset.dtype == torch.uint8 and lin.scale_offset.numel() == 64 * 512 // 32 * 5 // 2
+    scale, offset = got.q4k.scale_offset()
+    packed, full = amx.pack(got.q.to(torch.uint8), scale, offset)
+    assert torch.equal(packed, lin.packed)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(4)).to(dtype)
+    for rows in (1, 5, 16, 17, 40):
+        assert torch.equal(lin(x[:rows]), amx.mm(x[:rows], packed, full)), rows
+    if hasattr(amx, "mm_prompt"):
+        assert torch.equal(amx.mm_prompt(x, lin.packed, lin.scale_offset), amx.mm_prompt(x, packed, full))
+    ref = _int8_rows(x) @ torch.from_numpy(dequantize(raw, T.Q4_K).astype(np.float64)).t()
+    assert (lin(x).double() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+    with pytest.raises(RuntimeError, match="K by 256"):
+        amx.pack_q4k(got.q[:, :480].to(torch.uint8), got.q4k.d, got.q4k.dmin, got.q4k.sc, got.q4k.mn)
+    with pytest.raises(RuntimeError, match="bytes pack_q4k"):
+        amx.mm(x, lin.packed, lin.scale_offset[:1])
 
 @pytest.mark.parametrize("kinds", [{"attn_v": T.Q6_K, "ffn_down": T.Q6_K, "*": T.Q4_K},
                                    {"attn_v": T.Q6_K, "*": T.Q5_K}], ids=["Q4_K_M", "Q5_K_M"])

@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable", &amx::enable, "request the AMX register state from the kernel (true without tiles)");
   m.def("pack", &amx::pack, "int4 (uint8) codes with scales and offsets, or int8 codes with scales -> the AMX layout",
         pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m") = pybind11::none());
+  m.def("pack_q4k", &amx::pack_q4k, "GGUF Q4_K as it is: int4 codes, super-block d and dmin, 6-bit scales and mins "
+        "-> the AMX layout and its scale bytes");
   m.def("mm", &amx::mm, "bf16 rows times a packed int4 or int8 weight (a pack8 one: with its code sums)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("dm"), pybind11::arg("sums") = pybind11::none());
   m.def("pack8", &amx::pack8, "int8 codes with scales (per 32 inputs, or per 16: k-quants) and optional offsets "

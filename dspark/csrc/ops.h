@@ -27,6 +27,8 @@ at::Tensor markov_walk(const at::Tensor& base, const at::Tensor& w1, const at::T
 namespace dspark::amx {  // quant_amx.cpp
 bool enable();
 std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m);
+std::vector<at::Tensor> pack_q4k(const at::Tensor& q, const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& sc,
+                                 const at::Tensor& mn);
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& dm,
               const std::optional<at::Tensor>& sums = std::nullopt);
 std::vector<at::Tensor> pack8(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m = std::nullopt);

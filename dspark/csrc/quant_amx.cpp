@@ -55,9 +55,9 @@ inline __m512 combine(__m512 acc, __m512i dot, __m512 d, __m512 m, float dx, flo
 
 // int4 weights, int8 activations (see the header). Column tiles go in pairs: two independent
 // chains per group keep the units busy.
-void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, c10::BFloat16* yp,
-             int64_t n, int64_t pairs, bool sym) {
-  const int64_t k = x.size(1), g = k / kGroup, scales = (sym ? 1 : 2) * kCols;
+void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const void* scales, Int4Form form,
+             c10::BFloat16* yp, int64_t n, int64_t pairs) {
+  const int64_t k = x.size(1), g = k / kGroup;
   const bool vnni = rows <= kVnniRowsInt4;
   const QuantizedRows qr = quantize_batch(x, rows, vnni);
   const int8_t* xqp = qr.xq;
@@ -72,16 +72,13 @@ void mm_int4(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_
       const int64_t t = 2 * pr;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
       const uint8_t* wt[2] = {wp + t * g * kTileBytes, wp + (t + 1) * g * kTileBytes};
-      const uint16_t* dm[2] = {dmp + t * g * scales, dmp + (t + 1) * g * scales};
       for (int64_t gi = 0; gi < g; ++gi) {
         prefetch(wt[0] + (gi + kAhead) * kTileBytes, kTileBytes);  // memory-bound at one row
         prefetch(wt[1] + (gi + kAhead) * kTileBytes, kTileBytes);
         __m512 dv[2], mv[2];
         for (int j = 0; j < 2; ++j) {
           widen(wt[j] + gi * kTileBytes, w[j]);
-          dv[j] = half16(dm[j] + gi * scales);
-          // symmetric: m = -8 d, exact in fp32 (the bits a stored fp16 offset gives)
-          mv[j] = sym ? _mm512_mul_ps(dv[j], _mm512_set1_ps(-8.0f)) : half16(dm[j] + gi * scales + kCols);
+          int4_scales(scales, form, t + j, g, gi, dv[j], mv[j]);
         }
         if (vnni) {
           for (int64_t r = 0; r < rows; ++r) {
@@ -226,12 +223,11 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
   if (rows == 0) return y;
   const at::Tensor x = x_in.contiguous();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
-  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   auto* yp = y.data_ptr<c10::BFloat16>();
   if (s.bytes) {
-    mm_int8(x, rows, wp, dmp, yp, n, pairs);
+    mm_int8(x, rows, wp, reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), yp, n, pairs);
   } else {
-    mm_int4(x, rows, wp, dmp, yp, n, pairs, s.sym);
+    mm_int4(x, rows, wp, dm.data_ptr(), s.form, yp, n, pairs);
   }
   return y;
 }

@@ -89,6 +89,31 @@ QuantizedRows quantize_batch(const float* x, int64_t rows, int64_t k) {
 
 inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+inline __m256 round_half8(__m256 v) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// amx_tiles.h's int4_scales for half h (columns 8h .. 8h + 7) of column tile t, group gi.
+inline void int4_scales8(const void* scales, Int4Form form, int64_t t, int64_t g, int64_t gi, int h, __m256& d,
+                         __m256& m) {
+  if (form == Int4Form::kSub) {
+    const uint8_t* b = static_cast<const uint8_t*>(scales) + (t * (g / kSubGroups) + gi / kSubGroups) * kSubBytes;
+    const uint8_t* sc = b + 4 * kCols + (gi % kSubGroups) * kCols + 8 * h;
+    auto bytes = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    const uint16_t* dd = reinterpret_cast<const uint16_t*>(b) + 8 * h;
+    d = round_half8(_mm256_mul_ps(half8(dd), bytes(sc)));
+    m = _mm256_xor_ps(round_half8(_mm256_mul_ps(half8(dd + kCols), bytes(sc + kSubGroups * kCols))),
+                      _mm256_set1_ps(-0.0f));
+    return;
+  }
+  const int64_t per = form == Int4Form::kSym ? kCols : 2 * kCols;
+  const uint16_t* p = static_cast<const uint16_t*>(scales) + (t * g + gi) * per + 8 * h;
+  d = half8(p);
+  m = form == Int4Form::kSym ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : half8(p + kCols);
+}
+
 // A column tile's accumulators (two halves of 8 outputs per row) into y [rows, n] at tile t.
 inline void store_rows(const std::vector<__m256>& acc, int64_t rows, float* y, int64_t n, int64_t t) {
   for (int64_t r = 0; r < rows; ++r)
@@ -113,9 +138,9 @@ inline void widen_half(const uint8_t* src, int h, __m256i w[8]) {
   }
 }
 
-void mm_int4(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const uint16_t* dmp, float* yp, int64_t n,
-             bool sym) {
-  const int64_t g = k / kGroup, tiles = n / kCols, scales = (sym ? 1 : 2) * kCols;
+void mm_int4(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const void* scales, Int4Form form, float* yp,
+             int64_t n) {
+  const int64_t g = k / kGroup, tiles = n / kCols;
   const QuantizedRows qr = quantize_batch(xp, rows, k);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<__m256> acc(rows * 2);
@@ -124,13 +149,12 @@ void mm_int4(const float* xp, int64_t rows, int64_t k, const uint8_t* wp, const 
     for (int64_t t = t0; t < t1; ++t) {
       std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
       const uint8_t* wt = wp + t * g * kTileBytes;
-      const uint16_t* dm = dmp + t * g * scales;
       for (int64_t gi = 0; gi < g; ++gi) {
         prefetch(wt + (gi + kAhead) * kTileBytes, kTileBytes);
         for (int h = 0; h < 2; ++h) {
           widen_half(wt + gi * kTileBytes, h, w);
-          const __m256 dv = half8(dm + gi * scales + 8 * h);  // symmetric: m = -8 d, exact
-          const __m256 mv = sym ? _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f)) : half8(dm + gi * scales + kCols + 8 * h);
+          __m256 dv, mv;
+          int4_scales8(scales, form, t, g, gi, h, dv, mv);
           for (int64_t r = 0; r < rows; ++r) {
             const int8_t* xr = qr.xq + r * k + gi * kGroup;
             __m256i s0 = _mm256_maddubs_epi16(w[0], quad(xr)), s1 = _mm256_maddubs_epi16(w[1], quad(xr + 4));
@@ -211,7 +235,7 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor
   if (s.rows == 0) return y;
   const at::Tensor x = x_in.contiguous();
   mm_int4(x.data_ptr<float>(), s.rows, s.k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
-          reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), s.n, s.sym);
+          dm.data_ptr(), s.form, y.data_ptr<float>(), s.n);
   return y;
 }
 

@@ -31,18 +31,28 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
 }
 
 // x [rows, k] times a packed weight of n outputs; bytes: int8 codes (pack()'s Q8_0), else int4.
+// How an int4 weight keeps its per-group scale d and offset m (w = d * q + m, q in [0, 15]):
+// kFull: fp16 d and m per (column tile, group), [T, G, 2, 16] (pack with offsets);
+// kSym: fp16 d alone, m = -8 d (GGUF's Q4_0), [T, G, 1, 16] (pack without offsets);
+// kSub: GGUF's Q4_K super-blocks of 8 groups (pack_q4k): per (column tile, super-block) fp16 d
+// and dmin of the 16 columns, then the groups' 6-bit scales sc and mins mn as bytes, [T, G / 8,
+// kSubBytes] uint8; d_g = fp16(d * sc), m_g = -fp16(dmin * mn). 2.5 bytes a group and column
+// against kFull's 4.
+enum class Int4Form : uint8_t { kFull, kSym, kSub };
+constexpr int kSubGroups = 8;
+constexpr int64_t kSubBytes = 4 * kCols + 2 * kSubGroups * kCols;
+
 // split: a pack8 weight in the k-quant form (two scales per group, one per 16 inputs, and an offset).
-// sym: an int4 weight whose offsets are all -8 * scale (GGUF's Q4_0: w = d * (q - 8)), packed
-// with its scales alone.
 struct MatmulShape {
   int64_t rows, k, n;
   bool bytes;
   bool split = false;
-  bool sym = false;
+  Int4Form form = Int4Form::kFull;
 };
 
 // mm's arguments checked: x [M, K] of dtype rows (the build's), a weight from pack() with its
-// fp16 scales. mm8's: the same with a weight from pack8() and its code sums.
+// fp16 scales (or pack_q4k()'s with its bytes). mm8's: the same with a weight from pack8() and its
+// code sums.
 MatmulShape check_mm(const at::Tensor& x, at::ScalarType rows, const at::Tensor& packed, const at::Tensor& dm);
 MatmulShape check_mm8(const at::Tensor& x, at::ScalarType rows, const at::Tensor& packed, const at::Tensor& dm,
                       const at::Tensor& wsum);

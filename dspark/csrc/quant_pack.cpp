@@ -12,17 +12,12 @@
 
 namespace dspark::amx {
 
-// codes [N, K] (uint8 in [0, 15] with offsets m: int4; int8 without: Q8_0), d and m [N, K / 32]
-// -> (packed codes [N/16, G, tile bytes], fp16 scales [N/16, G, 2 (d|m) or 1 (d), 16]). int4 codes
-// without offsets are the symmetric form w = d * (q - 8) (Q4_0's): d alone, half the scale bytes.
-std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
+namespace {
+// codes [N, K] -> [N/16, G, tile bytes]: int4 (uint8) nibbles as widen() reads them, or int8 codes
+// as a bf16 B tile's pairs.
+at::Tensor pack_codes(const at::Tensor& q) {
   const bool bytes = q.scalar_type() == at::kChar;
-  TORCH_CHECK(q.dim() == 2 && (bytes || q.scalar_type() == at::kByte), "pack: codes must be [N, K] uint8 or int8");
   const int64_t n = q.size(0), k = q.size(1), g = k / kGroup;
-  TORCH_CHECK(n % (2 * kCols) == 0 && k % kGroup == 0, "pack: N must divide by 32 and K by 32");
-  TORCH_CHECK(d.dim() == 2 && d.size(0) == n && d.size(1) == g, "pack: scales must be [N, K / 32]");
-  TORCH_CHECK(!(bytes && m.has_value()), "pack: int8 codes take no offsets");
-  TORCH_CHECK(!m.has_value() || m->sizes() == d.sizes(), "pack: offsets must be [N, K / 32]");
   auto qc = q.contiguous();
   const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
   auto packed = at::zeros({n / kCols, g, tile_bytes}, q.options());
@@ -41,9 +36,50 @@ std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std
           }
         }
     }
+  return packed;
+}
+}  // namespace
+
+// codes [N, K] (uint8 in [0, 15] with offsets m: int4; int8 without: Q8_0), d and m [N, K / 32]
+// -> (packed codes [N/16, G, tile bytes], fp16 scales [N/16, G, 2 (d|m) or 1 (d), 16]). int4 codes
+// without offsets are the symmetric form w = d * (q - 8) (Q4_0's): d alone, half the scale bytes.
+std::vector<at::Tensor> pack(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m) {
+  const bool bytes = q.scalar_type() == at::kChar;
+  TORCH_CHECK(q.dim() == 2 && (bytes || q.scalar_type() == at::kByte), "pack: codes must be [N, K] uint8 or int8");
+  const int64_t n = q.size(0), k = q.size(1), g = k / kGroup;
+  TORCH_CHECK(n % (2 * kCols) == 0 && k % kGroup == 0, "pack: N must divide by 32 and K by 32");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == n && d.size(1) == g, "pack: scales must be [N, K / 32]");
+  TORCH_CHECK(!(bytes && m.has_value()), "pack: int8 codes take no offsets");
+  TORCH_CHECK(!m.has_value() || m->sizes() == d.sizes(), "pack: offsets must be [N, K / 32]");
+  const at::Tensor packed = pack_codes(q);
   auto per_tile = [&](const at::Tensor& v) { return v.to(at::kHalf).view({n / kCols, kCols, g}).permute({0, 2, 1}); };
   auto dm = m.has_value() ? at::stack({per_tile(d), per_tile(*m)}, 2).contiguous() : per_tile(d).unsqueeze(2).contiguous();
   return {packed, dm};
+}
+
+// GGUF's Q4_K kept as it is (quant_layout.h's kSub): codes [N, K] uint8 in [0, 15], the super-blocks'
+// d and dmin [N, K / 256] (fp16 values), the groups' 6-bit scales sc and mins mn [N, K / 32] uint8
+// -> (packed codes as pack()'s, bytes [N/16, G/8, kSubBytes]); w = fp16(d sc) q - fp16(dmin mn).
+std::vector<at::Tensor> pack_q4k(const at::Tensor& q, const at::Tensor& d, const at::Tensor& dmin, const at::Tensor& sc,
+                                 const at::Tensor& mn) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "pack_q4k: codes must be [N, K] uint8");
+  const int64_t n = q.size(0), k = q.size(1), g = k / kGroup, sb = g / kSubGroups;
+  TORCH_CHECK(n % (2 * kCols) == 0 && k % (kGroup * kSubGroups) == 0, "pack_q4k: N must divide by 32 and K by 256");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({n, sb}) && dmin.sizes() == d.sizes(),
+              "pack_q4k: d and dmin must be [N, K / 256]");
+  TORCH_CHECK(sc.scalar_type() == at::kByte && mn.scalar_type() == at::kByte && sc.sizes() == at::IntArrayRef({n, g}) &&
+              mn.sizes() == sc.sizes(), "pack_q4k: scales and mins must be [N, K / 32] uint8");
+  // [T, SB, 16] fp16 halves, then [T, SB, 8 groups, 16] bytes, per (tile, super-block)
+  auto per_tile = [&](const at::Tensor& v, int64_t cols) {
+    return v.contiguous().view({n / kCols, kCols, cols}).permute({0, 2, 1});
+  };
+  const at::Tensor halves = at::stack({per_tile(d.to(at::kHalf), sb), per_tile(dmin.to(at::kHalf), sb)}, 2)
+                                .contiguous().view(at::kByte).view({n / kCols, sb, 4 * kCols});
+  auto groups = [&](const at::Tensor& v) {
+    return per_tile(v, g).reshape({n / kCols, sb, kSubGroups * kCols});
+  };
+  const at::Tensor sub = at::cat({halves, groups(sc), groups(mn)}, 2).contiguous();
+  return {pack_codes(q), sub};
 }
 
 // int8 codes [N, K] and scales [N, K / 32] -> (codes [N/16, G, 512], 64 bytes q holding k = 4q ..
@@ -105,13 +141,22 @@ MatmulShape check_mm(const at::Tensor& x, at::ScalarType rows, const at::Tensor&
   const int64_t tile_bytes = bytes ? 2 * kTileBytes : kTileBytes;
   TORCH_CHECK(packed.dim() == 3 && (bytes || packed.scalar_type() == at::kByte) && packed.size(2) == tile_bytes &&
               packed.size(0) % 2 == 0 && packed.is_contiguous(), "mm: not a packed weight");
-  // fp16 values per (column tile, group): d, and m for int4 unless symmetric
+  // fp16 values per (column tile, group): d, and m for int4 unless symmetric; or pack_q4k's bytes
   const int64_t cells = packed.size(0) * packed.size(1) * kCols;
-  const bool sym = !bytes && dm.numel() == cells;
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && (dm.numel() == (bytes ? 1 : 2) * cells || sym),
-              "mm: scales must be the fp16 tensor pack() returned");
+  Int4Form form = Int4Form::kFull;
+  if (!bytes && dm.scalar_type() == at::kByte) {
+    TORCH_CHECK(packed.size(1) % kSubGroups == 0 && dm.is_contiguous() &&
+                dm.numel() == packed.size(0) * (packed.size(1) / kSubGroups) * kSubBytes,
+                "mm: Q4_K scales must be the bytes pack_q4k() returned");
+    form = Int4Form::kSub;
+  } else {
+    TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() &&
+                (dm.numel() == (bytes ? 1 : 2) * cells || (!bytes && dm.numel() == cells)),
+                "mm: scales must be the fp16 tensor pack() returned");
+    if (!bytes && dm.numel() == cells) form = Int4Form::kSym;
+  }
   check_inputs("mm", x.size(1), packed);
-  return {x.size(0), x.size(1), packed.size(0) * kCols, bytes, false, sym};
+  return {x.size(0), x.size(1), packed.size(0) * kCols, bytes, false, form};
 }
 
 MatmulShape check_mm8(const at::Tensor& x, at::ScalarType rows, const at::Tensor& packed, const at::Tensor& dm,

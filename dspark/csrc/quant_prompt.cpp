@@ -33,7 +33,7 @@ at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at:
   const int64_t rows = s.rows, k = s.k, n = s.n, g = k / kGroup, pairs = packed.size(0) / 2;
   // per (column tile, group): packed bytes, fp16 values (int4: d, m; pack8: d, or d_lo, d_hi, m)
   const int64_t tile_bytes = codes8 ? 2 * kTileBytes : kTileBytes;
-  const int64_t scales = codes8 ? (s.split ? 3 : 1) * kCols : (s.sym ? 1 : 2) * kCols;
+  const int64_t scales = s.split ? 3 * kCols : kCols;  // pack8's fp16 values (int4: int4_scales)
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0) return y;
   const int64_t padded = (rows + 15) / 16 * 16;
@@ -41,7 +41,7 @@ at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at:
   if (padded != rows) x = at::cat({x, at::zeros({padded - rows, k}, x.options())});
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
-  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+  const auto* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr());
   auto* yp = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     std::vector<uint32_t> panel(2 * g * 16 * 16);  // [tile][group][tile row][column]: bf16 pairs
@@ -54,11 +54,13 @@ at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at:
           __m512i w[8];  // w[q]: k = 4q .. 4q + 3 of the 16 columns, a byte each per lane
           const uint8_t* src = wp + (t * g + gi) * tile_bytes;
           const uint16_t* sc = dmp + (t * g + gi) * scales;
-          __m512 d_lo = half16(sc), d_hi = d_lo, m = _mm512_setzero_ps();
+          __m512 d_lo, d_hi, m = _mm512_setzero_ps();
           if (!codes8) {
             widen(src, w);
-            m = s.sym ? _mm512_mul_ps(d_lo, _mm512_set1_ps(-8.0f)) : half16(sc + kCols);
+            int4_scales(dmp, s.form, t, g, gi, d_lo, m);
+            d_hi = d_lo;
           } else {
+            d_lo = d_hi = half16(sc);
             for (int q = 0; q < 8; ++q) w[q] = _mm512_loadu_si512(src + 64 * q);
             if (s.split) {
               d_hi = half16(sc + kCols);

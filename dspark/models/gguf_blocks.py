@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dspark.models.gguf_tensors import GGUFTensors, TensorEntry, gguf_hf_name
-from dspark.models.quant import GROUP, Int4Weight, Int8Weight
+from dspark.models.quant import GROUP, Int4Weight, Int8Weight, Q4KScales
 
 _FUSED = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
@@ -55,7 +55,10 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> Int4Weight:
     q = torch.from_numpy(np.ascontiguousarray(qs & 0x0F).reshape(n, k))  # uint8: a quarter of int32's bytes at load
     scale = torch.from_numpy((d * sc).reshape(n, k // GROUP))
     mins = torch.from_numpy((dmin * m).reshape(n, k // GROUP))
-    return Int4Weight(q, scale, 8 * scale - mins)
+    own = Q4KScales(torch.from_numpy(d.reshape(n, k // 256)), torch.from_numpy(dmin.reshape(n, k // 256)),
+                    torch.from_numpy(sc.astype(np.uint8).reshape(n, k // GROUP)),
+                    torch.from_numpy(m.astype(np.uint8).reshape(n, k // GROUP)))
+    return Int4Weight(q, scale, 8 * scale - mins, own)
 
 
 def _q6_k(raw: np.ndarray, n: int, k: int) -> Int8Weight:
@@ -130,8 +133,9 @@ def _k_form(w: Int4Weight | Int8Weight) -> Int8Weight:
 
 def _cat(ws: list[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
     if isinstance(ws[0], Int4Weight):
+        own = Q4KScales.cat([w.q4k for w in ws]) if all(w.q4k is not None for w in ws) else None
         return Int4Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]),
-                          torch.cat([w.zero for w in ws]))
+                          torch.cat([w.zero for w in ws]), own)
     zero = None if ws[0].zero is None else torch.cat([w.zero for w in ws])
     return Int8Weight(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]), zero)
 

@@ -44,13 +44,36 @@ GROUP = 32  # GGUF's block length, and the int4 group length used when quantizin
 
 # --------------------------------------------------------------------------- quantized tensors
 @dataclass
+class Q4KScales:
+    """A Q4_K tensor's scales as its file keeps them: fp16 ``d`` and ``dmin`` per super-block of 256
+    inputs ([N, K / 256] float32) and 6-bit ``sc`` and ``mn`` per group of 32 ([N, K / 32] uint8):
+    a group's scale is fp16(d * sc) and its offset (w = scale * q + offset, q in [0, 15]) -fp16(dmin * mn)."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    mn: torch.Tensor
+
+    def scale_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, offset) [N, K / 32] float32, the values the kernels compute."""
+        scale = (self.d.repeat_interleave(8, 1) * self.sc.float()).half().float()
+        return scale, -(self.dmin.repeat_interleave(8, 1) * self.mn.float()).half().float()
+
+    @staticmethod
+    def cat(parts: list[Q4KScales]) -> Q4KScales:
+        return Q4KScales(*(torch.cat([getattr(p, f) for p in parts]) for f in ("d", "dmin", "sc", "mn")))
+
+
+@dataclass
 class Int4Weight:
     """4-bit codes ``q`` in [0, 15] ([N, K] int32, or uint8 as read from a file) with per-group ``scale`` and ``zero``
-    ([N, K / GROUP] float32): w = (q - 8) * scale + zero (the packed kernel's convention)."""
+    ([N, K / GROUP] float32): w = (q - 8) * scale + zero (the packed kernel's convention). ``q4k``: a
+    GGUF Q4_K tensor's own super-block values (:class:`Q4KScales`), which our kernels keep as they are."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    q4k: Q4KScales | None = None
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -191,12 +214,18 @@ class Int4Linear(_WeightOnly):
         ours = dtype == cpu_ops.quant_dtype() and w.q.device.type == "cpu"
         self.amx = cpu_ops.quant() if ours and w.q.shape[0] % 32 == 0 else None
         if self.amx is not None:
-            # a GGUF's own fp16 scales and offsets: Q4_0/Q4_1's exactly, Q4_K's d * sc rounded to fp16
-            scale = w.scale.half().float()
-            offset = (w.zero.double() - 8 * w.scale.double()).half().float()
-            # offsets that are all -8 * scale (Q4_0) go unstored: the kernels derive them, same bits
-            sym = bool(torch.equal(offset, -8 * scale))
-            packed, scale_offset = self.amx.pack(w.q.to(torch.uint8), scale, None if sym else offset)
+            # a GGUF's own fp16 scales and offsets: Q4_0/Q4_1's exactly; Q4_K's super-block values
+            # as the file keeps them (2.5 bytes a group and column against 4)
+            if w.q4k is not None and w.q.shape[1] % 256 == 0:
+                scale, offset = w.q4k.scale_offset()
+                k = w.q4k
+                packed, scale_offset = self.amx.pack_q4k(w.q.to(torch.uint8), k.d, k.dmin, k.sc, k.mn)
+            else:
+                scale = w.scale.half().float()
+                offset = (w.zero.double() - 8 * w.scale.double()).half().float()
+                # offsets that are all -8 * scale (Q4_0) go unstored: the kernels derive them, same bits
+                sym = bool(torch.equal(offset, -8 * scale))
+                packed, scale_offset = self.amx.pack(w.q.to(torch.uint8), scale, None if sym else offset)
             self.register_buffer("packed", packed)
             self.register_buffer("scale_offset", scale_offset)
             deq = functools.partial(_scaled_codes, w.q, scale, offset)

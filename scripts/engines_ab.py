@@ -53,8 +53,14 @@ def main() -> None:
             total[name] += time.perf_counter() - t
     for name in engines:
         times = sorted(t for t, _ in steps[name])
-        print(f"{name}: {total[name]:.2f} s, {len(times)} steps, median step {1e3 * times[len(times) // 2]:.1f} ms, "
-              f"paused {sum(1 for _, p in steps[name] if p)}")
+        paused = sorted(t for t, p in steps[name] if p)
+        drafting = sorted(t for t, p in steps[name] if not p)
+        line = (f"{name}: {total[name]:.2f} s, {len(times)} steps, median step {1e3 * times[len(times) // 2]:.1f} ms, "
+                f"paused {len(paused)}")
+        if paused and drafting and name != "plain":
+            line += (f" (median {1e3 * paused[len(paused) // 2]:.1f} ms; the {len(drafting)} drafting steps' "
+                     f"{1e3 * drafting[len(drafting) // 2]:.1f} ms)")
+        print(line)
     print(f"default / plain throughput: {total['plain'] / total['default']:.3f}x, "
           f"tau {engines['default'].engine.spec_stats.tau:.3f}")
 

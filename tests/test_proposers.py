@@ -145,11 +145,15 @@ def test_controller_pauses_where_measured_steps_lose_whatever_the_policy_believe
         c.record_pass(4, 0.01, decodes=4)  # ... and the measured loss pauses it
     assert c.skip_steps > 0 and c.gain < 1 and c.lost_at == 4
     assert c.measured_gain(2) is None  # another load keeps its own measurements
+    # an unmeasured load above a measured loss takes that loss; one below it keeps its belief
+    assert c._judged(1.5, 6) == pytest.approx(0.8) and c._judged(1.5, 2) == 1.5
     for _ in range(c.MEASURED_MIN):  # at 2 requests drafting pays
         c.observe_outcome(2, True, 4, 0.1)
         c.observe_outcome(2, False, 2, 0.07)
     assert c.measured_gain(2) == pytest.approx(40 / (2 / 0.07))
     assert not c.paused(2, 8, decodes=2) and c.skip_steps == 0  # the pause ends where drafting pays
+    assert c._judged(1.5, 3) == 1.5  # the gain measured at 2 is not lent upward; a loss is
+    assert c._judged(1.5, 6) == pytest.approx(0.8)
     for _ in range(c.PLAIN_EVERY - 1):  # and a plain step is taken every PLAIN_EVERY drafting steps
         c.observe_outcome(2, True, 4, 0.1)
     assert not c.paused(2, 8, decodes=2)

@@ -60,6 +60,11 @@ class NgramAssist:
         """Forget the last step's chains (every step starts here, drafting or not)."""
         self.looked, self.verified, self.gone = {}, {}, set()
 
+    def first_rate(self) -> float:
+        """prior(1)'s one value, as a float (no tensor): the chance a chain's first token survives."""
+        r = self.reached[0] if self.reached else 0
+        return (self.accepted[0] + 1) / (r + 2) if r else 0.5
+
     def prior(self, width: int) -> torch.Tensor:
         """[width] estimated chance that a looked-up token survives given the ones before it. A
         position no chain has reached yet takes the one before's (chains grow only after whole

@@ -108,8 +108,16 @@ class VerifyLengthController:
         return drafting[0] / plain[0]
 
     def _judged(self, belief: float, D: int) -> float:
-        """The policy's expected gain, or the measured one at D requests where that is lower."""
+        """The policy's expected gain, or the measured one at D requests where that is lower. A
+        load not yet measured takes the loss measured at the nearest fewer requests, if any:
+        drafting pays less as requests add rows to the pass, and under serving churn many loads
+        never gather MEASURED_MIN steps of each kind (each would lose that many drafting steps)."""
         measured = self.measured_gain(D)
+        if measured is None:
+            nearest = max((d for d, drafted in self.rates if drafted and d < D and self.measured_gain(d) is not None),
+                          default=None)
+            loss = None if nearest is None else self.measured_gain(nearest)
+            measured = loss if loss is not None and loss < 1.0 else None
         return belief if measured is None else min(belief, measured)
 
     def expected_gain(self, R: int, width: int) -> float:

@@ -161,6 +161,25 @@ def test_controller_pauses_where_measured_steps_lose_whatever_the_policy_believe
     assert c.paused(2, 8, decodes=2)
 
 
+def test_paused_steps_stop_verifying_looked_up_chains_where_they_measured_a_loss():
+    c = VerifyLengthController(Policy(), SpecStats())
+    assert c.lookups_pay(4)  # nothing measured: the policy's pricing decides
+    for _ in range(c.MEASURED_MIN):  # paused steps with looked-up chains: 4 tokens in 0.05 s
+        assert c.lookups_pay(4)
+        c.observe_lookups(4, 4, 0.05)
+    assert not c.lookups_pay(4)  # then plain steps to measure against ...
+    for _ in range(c.MEASURED_MIN):
+        c.observe_outcome(4, False, 4, 0.04)  # ... 4 tokens in 0.04 s: the lookups lose
+    assert c.measured_gain(4, "lookup") == pytest.approx(0.8)
+    tried = [c.lookups_pay(4) for _ in range(2 * c.LOOKUP_RETRY)]
+    assert sum(tried) == 2  # one step in LOOKUP_RETRY still tries them
+    assert sum(c.lookups_pay(8) for _ in range(c.LOOKUP_RETRY)) == 1  # a loss at 4 holds at 8
+    assert all(c.lookups_pay(2) for _ in range(4))  # but not at 2
+    for _ in range(c.MEASURED_MIN):  # at 2 they pay
+        c.observe_lookups(2, 3, 0.05)
+        c.observe_outcome(2, False, 2, 0.05)
+    assert c.measured_gain(2, "lookup") > 1 and c.lookups_pay(2)
+
 def test_drafter_pass_time_falls_faster_than_it_rises():
     c = VerifyLengthController(Policy(), SpecStats())
     c.record_pass(1, 0.5)  # start-up: not timed

@@ -37,6 +37,9 @@ class VerifyLengthController:
     # steps of each kind at a load before their measured rates judge drafting there; the rates'
     # EMA weight; drafting steps between two plain steps taken to measure the plain rate again
     MEASURED_MIN, RATE_EMA, PLAIN_EVERY = 6, 0.1, 64
+    # where verifying looked-up chains on paused steps measured a loss, one paused step in this
+    # many still verifies them, so that the measurement follows the traffic
+    LOOKUP_RETRY = 32
     # a pass faster than the running time moves it more than a slower one: a shared machine's noise
     # and the first passes' set-up only ever add time (as the target's CostModel, it errs cheap)
     DRAFT_TIME_EMA, DRAFT_TIME_EMA_DOWN = 0.2, 0.5
@@ -55,9 +58,13 @@ class VerifyLengthController:
         self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
         self.lost_at = 0  # drafting requests in the pass that last paused drafting
         self.expected: dict[tuple[int, int], float] = {}  # (requests, width) -> expected gain, until the next pass
-        # (decoding requests, drafter pass or not) -> [EMA of committed tokens per second, steps]
-        self.rates: dict[tuple[int, bool], list[float]] = {}
+        # (decoding requests, kind) -> [EMA of committed tokens per second, steps]; kind: True (a
+        # drafter pass), False (plain: nothing verified past the anchor), "lookup" (a paused step
+        # that verified looked-up chains)
+        self.rates: dict[tuple[int, bool | str], list[float]] = {}
         self.since_plain: dict[int, int] = {}  # decoding requests -> drafting steps since a plain one
+        self.lookups_since_plain: dict[int, int] = {}  # ... and lookup steps since one
+        self.lookup_skips: dict[int, int] = {}  # where lookups lose: paused steps since they were tried
 
     def paused(self, R: int = 1, width: int = 1, decodes: int | None = None) -> bool:
         """Whether this step, with R requests that could draft up to width tokens (of `decodes`
@@ -93,31 +100,65 @@ class VerifyLengthController:
         drafter pass (drafted) included."""
         if D < 1 or not seconds > 0:
             return
+        self._observe(D, drafted, committed, seconds)
+        self.since_plain[D] = self.since_plain.get(D, 0) + 1 if drafted else 0
+        if not drafted:
+            self.lookups_since_plain[D] = 0
+
+    def observe_lookups(self, D: int, committed: int, seconds: float) -> None:
+        """A paused decode-only step of D requests verified looked-up chains (no drafter pass)."""
+        if D < 1 or not seconds > 0:
+            return
+        self._observe(D, "lookup", committed, seconds)
+        self.lookups_since_plain[D] = self.lookups_since_plain.get(D, 0) + 1
+
+    def _observe(self, D: int, kind: bool | str, committed: int, seconds: float) -> None:
         rate = committed / seconds
-        old = self.rates.setdefault((D, drafted), [rate, 0])
+        old = self.rates.setdefault((D, kind), [rate, 0])
         old[0] += max(self.RATE_EMA, 1.0 / (old[1] + 1)) * (rate - old[0])
         old[1] += 1
-        self.since_plain[D] = self.since_plain.get(D, 0) + 1 if drafted else 0
 
-    def measured_gain(self, D: int) -> float | None:
-        """Measured tokens per second of drafting steps over plain ones at D decoding requests
-        (None until both kinds have MEASURED_MIN steps)."""
-        drafting, plain = self.rates.get((D, True)), self.rates.get((D, False))
-        if drafting is None or plain is None or min(drafting[1], plain[1]) < self.MEASURED_MIN:
+    def measured_gain(self, D: int, kind: bool | str = True) -> float | None:
+        """Measured tokens per second of drafting steps (kind "lookup": of paused steps that
+        verified looked-up chains) over plain ones at D decoding requests (None until both kinds
+        have MEASURED_MIN steps)."""
+        steps, plain = self.rates.get((D, kind)), self.rates.get((D, False))
+        if steps is None or plain is None or min(steps[1], plain[1]) < self.MEASURED_MIN:
             return None
-        return drafting[0] / plain[0]
+        return steps[0] / plain[0]
+
+    def _measured_or_lower_loss(self, D: int, kind: bool | str) -> float | None:
+        """The gain measured at D, else a loss measured at the nearest fewer requests: drafting
+        (and verifying looked-up chains) pays less as requests add rows to the pass, and under
+        serving churn many loads never gather MEASURED_MIN steps of each kind."""
+        measured = self.measured_gain(D, kind)
+        if measured is not None:
+            return measured
+        nearest = max((d for d, k in self.rates if k == kind and d < D and self.measured_gain(d, kind) is not None),
+                      default=None)
+        loss = None if nearest is None else self.measured_gain(nearest, kind)
+        return loss if loss is not None and loss < 1.0 else None
+
+    def lookups_pay(self, D: int) -> bool:
+        """Whether a paused step of D decoding requests may verify looked-up chains (the policy
+        prices each chain; this is what such steps measured): not when a plain step is due to
+        measure against, nor where they measured a loss (or one at fewer requests), except one
+        step in LOOKUP_RETRY."""
+        lookup, plain = self.rates.get((D, "lookup")), self.rates.get((D, False))
+        if lookup is not None and lookup[1] >= self.MEASURED_MIN and (
+                plain is None or plain[1] < self.MEASURED_MIN
+                or self.lookups_since_plain.get(D, 0) >= self.PLAIN_EVERY):
+            return False
+        gain = self._measured_or_lower_loss(D, "lookup")
+        if gain is None or gain >= 1.0:
+            return True
+        self.lookup_skips[D] = (self.lookup_skips.get(D, 0) + 1) % self.LOOKUP_RETRY
+        return self.lookup_skips[D] == 0
 
     def _judged(self, belief: float, D: int) -> float:
-        """The policy's expected gain, or the measured one at D requests where that is lower. A
-        load not yet measured takes the loss measured at the nearest fewer requests, if any:
-        drafting pays less as requests add rows to the pass, and under serving churn many loads
-        never gather MEASURED_MIN steps of each kind (each would lose that many drafting steps)."""
-        measured = self.measured_gain(D)
-        if measured is None:
-            nearest = max((d for d, drafted in self.rates if drafted and d < D and self.measured_gain(d) is not None),
-                          default=None)
-            loss = None if nearest is None else self.measured_gain(nearest)
-            measured = loss if loss is not None and loss < 1.0 else None
+        """The policy's expected gain, or the measured one at D requests where that is lower (a
+        load not yet measured: a loss measured at fewer requests, _measured_or_lower_loss)."""
+        measured = self._measured_or_lower_loss(D, True)
         return belief if measured is None else min(belief, measured)
 
     def expected_gain(self, R: int, width: int) -> float:

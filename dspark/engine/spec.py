@@ -140,8 +140,9 @@ class SpecRunner:
             return
         self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs))
         if self.paused and self.assist is not None:
-            # the prefill tokens are not planned yet: priced as none (propose checks again)
-            self.lookups = self._lookups_pay(len(seqs), 0)
+            # the prefill tokens are not planned yet: priced as none (propose checks again); and
+            # what paused steps that verified lookups measured at this load
+            self.lookups = self._lookups_pay(len(seqs), 0) and self.controller.lookups_pay(len(seqs))
 
     def _lookups_pay(self, rows: int, other_tokens: int) -> bool:
         """Whether the policy would verify any looked-up token in a pass of `rows` decoding rows
@@ -235,8 +236,10 @@ class SpecRunner:
         pass included: the controller's measured gain of drafting."""
         if self.controller is None or self.proposer.deterministic:
             return
-        if self.passed or not self.verified:  # a step that verified looked-up chains is neither kind
+        if self.passed or not self.verified:
             self.controller.observe_outcome(decodes, self.passed, committed, seconds)
+        elif self.paused:  # looked-up chains verified without a drafter pass
+            self.controller.observe_lookups(decodes, committed, seconds)
 
     def commit(self, ctx_rows, result) -> None:
         """Called after each forward with (seq, first new position, batch rows kept there in order)."""

@@ -74,7 +74,10 @@ class VerifyLengthController:
             return self._plain_due(D)
         gain = self._judged(self.expected_gain(R, width), D)
         if R < self.lost_at and gain >= 1.0:
-            self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0  # that average was another load's
+            # that average was another load's: try again now, keeping the back-off (under serving
+            # churn the load dips below lost_at every few steps, and each dip resetting it made
+            # the drafter probe, context catch-up included, every few dozen steps)
+            self.skip_steps, self.gain = 0, 1.0
             return False
         self.skip_steps -= 1
         if self.skip_steps == 0 and self.backoff < self.MAX_BACKOFF and gain < 1.0:

@@ -3,6 +3,8 @@ of requests alternated between them, so that a drifting machine slows both alike
 
     .venv/bin/python scripts/engines_ab.py --model /root/widened/target-Q4_K_M.gguf \\
         --drafter /root/widened/drafter --batch 4 --prompts 16 --tokens 48
+    .venv/bin/python scripts/engines_ab.py --batch 32 --max-num-seqs 8 --prompts 96 --tokens 64
+        # waves of 32 requests, 8 decoding at once: continuous batching, as a server under load
 
 Prints each engine's total seconds, its steps and median step, and how many of the drafting
 engine's steps drafted nothing (paused).
@@ -27,9 +29,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="requests decoding at once (a wave larger than this: continuous batching)")
     a = ap.parse_args()
-    engines = {"plain": LLM(model=a.model, drafter="none", kv_cache_tokens=8192),
-               "default": LLM(model=a.model, drafter=a.drafter, kv_cache_tokens=8192)}
+    limit = {} if a.max_num_seqs is None else {"max_num_seqs": a.max_num_seqs}
+    engines = {"plain": LLM(model=a.model, drafter="none", kv_cache_tokens=8192, **limit),
+               "default": LLM(model=a.model, drafter=a.drafter, kv_cache_tokens=8192, **limit)}
     steps = collections.defaultdict(list)
     for name, llm in engines.items():
         eng = llm.engine
@@ -56,7 +61,8 @@ def main() -> None:
         paused = sorted(t for t, p in steps[name] if p)
         drafting = sorted(t for t, p in steps[name] if not p)
         line = (f"{name}: {total[name]:.2f} s, {len(times)} steps, median step {1e3 * times[len(times) // 2]:.1f} ms, "
-                f"paused {len(paused)}")
+                f"mean {1e3 * sum(times) / len(times):.1f} ms, "
+                f"slowest tenth {1e3 * sum(times[-len(times) // 10:]):.0f} ms in all, paused {len(paused)}")
         if paused and drafting and name != "plain":
             line += (f" (median {1e3 * paused[len(paused) // 2]:.1f} ms; the {len(drafting)} drafting steps' "
                      f"{1e3 * drafting[len(drafting) // 2]:.1f} ms)")

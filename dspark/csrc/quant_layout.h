@@ -30,7 +30,6 @@ inline void prefetch(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
 }
 
-// x [rows, k] times a packed weight of n outputs; bytes: int8 codes (pack()'s Q8_0), else int4.
 // How an int4 weight keeps its per-group scale d and offset m (w = d * q + m, q in [0, 15]):
 // kFull: fp16 d and m per (column tile, group), [T, G, 2, 16] (pack with offsets);
 // kSym: fp16 d alone, m = -8 d (GGUF's Q4_0), [T, G, 1, 16] (pack without offsets);
@@ -42,7 +41,9 @@ enum class Int4Form : uint8_t { kFull, kSym, kSub };
 constexpr int kSubGroups = 8;
 constexpr int64_t kSubBytes = 4 * kCols + 2 * kSubGroups * kCols;
 
+// x [rows, k] times a packed weight of n outputs; bytes: int8 codes (pack()'s Q8_0), else int4.
 // split: a pack8 weight in the k-quant form (two scales per group, one per 16 inputs, and an offset).
+// form: an int4 weight's scale form.
 struct MatmulShape {
   int64_t rows, k, n;
   bool bytes;

@@ -31,9 +31,10 @@ at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at:
                                : check_mm(x_in, at::kBFloat16, packed, dm);
   TORCH_CHECK(codes8 || !s.bytes, "mm_prompt: int8 codes take pack8's weights and code sums");
   const int64_t rows = s.rows, k = s.k, n = s.n, g = k / kGroup, pairs = packed.size(0) / 2;
-  // per (column tile, group): packed bytes, fp16 values (int4: d, m; pack8: d, or d_lo, d_hi, m)
+  // per (column tile, group): packed bytes, and pack8's fp16 values (d, or d_lo, d_hi, m); int4
+  // weights' scales in any of their forms through int4_scales
   const int64_t tile_bytes = codes8 ? 2 * kTileBytes : kTileBytes;
-  const int64_t scales = s.split ? 3 * kCols : kCols;  // pack8's fp16 values (int4: int4_scales)
+  const int64_t scales = s.split ? 3 * kCols : kCols;
   auto y = at::empty({rows, n}, x_in.options());
   if (rows == 0) return y;
   const int64_t padded = (rows + 15) / 16 * 16;
@@ -53,13 +54,13 @@ at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at:
         for (int64_t gi = 0; gi < g; ++gi) {
           __m512i w[8];  // w[q]: k = 4q .. 4q + 3 of the 16 columns, a byte each per lane
           const uint8_t* src = wp + (t * g + gi) * tile_bytes;
-          const uint16_t* sc = dmp + (t * g + gi) * scales;
           __m512 d_lo, d_hi, m = _mm512_setzero_ps();
           if (!codes8) {
             widen(src, w);
             int4_scales(dmp, s.form, t, g, gi, d_lo, m);
             d_hi = d_lo;
           } else {
+            const uint16_t* sc = dmp + (t * g + gi) * scales;
             d_lo = d_hi = half16(sc);
             for (int q = 0; q < 8; ++q) w[q] = _mm512_loadu_si512(src + 64 * q);
             if (s.split) {

@@ -60,10 +60,14 @@ class NgramAssist:
         """Forget the last step's chains (every step starts here, drafting or not)."""
         self.looked, self.verified, self.gone = {}, {}, set()
 
+    def _rate(self, i: int, unreached: float) -> float:
+        """Position i's survival rate (Laplace-smoothed), or `unreached` where no chain got there."""
+        r = self.reached[i] if i < len(self.reached) else 0
+        return (self.accepted[i] + 1) / (r + 2) if r else unreached
+
     def first_rate(self) -> float:
         """prior(1)'s one value, as a float (no tensor): the chance a chain's first token survives."""
-        r = self.reached[0] if self.reached else 0
-        return (self.accepted[0] + 1) / (r + 2) if r else 0.5
+        return self._rate(0, 0.5)
 
     def prior(self, width: int) -> torch.Tensor:
         """[width] estimated chance that a looked-up token survives given the ones before it. A
@@ -71,8 +75,7 @@ class NgramAssist:
         acceptances, so 0.5 there would keep a cautious policy from ever trying them)."""
         rates: list[float] = []
         for i in range(width):
-            r = self.reached[i] if i < len(self.reached) else 0
-            rates.append((self.accepted[i] + 1) / (r + 2) if r else rates[-1] if rates else 0.5)
+            rates.append(self._rate(i, rates[-1] if rates else 0.5))
         return torch.tensor(rates)
 
     def send(self, seq_id: int, chain: list[int], n: int) -> list[int]:

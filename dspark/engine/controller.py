@@ -62,8 +62,7 @@ class VerifyLengthController:
         # drafter pass), False (plain: nothing verified past the anchor), "lookup" (a paused step
         # that verified looked-up chains)
         self.rates: dict[tuple[int, bool | str], list[float]] = {}
-        self.since_plain: dict[int, int] = {}  # decoding requests -> drafting steps since a plain one
-        self.lookups_since_plain: dict[int, int] = {}  # ... and lookup steps since one
+        self.since_plain: dict[tuple[int, bool | str], int] = {}  # (requests, kind) -> its steps since a plain one
         self.lookup_skips: dict[int, int] = {}  # where lookups lose: paused steps since they were tried
 
     def paused(self, R: int = 1, width: int = 1, decodes: int | None = None) -> bool:
@@ -71,7 +70,9 @@ class VerifyLengthController:
         decoding requests), drafts nothing (counts the paused step)."""
         D = decodes or R
         if self.skip_steps == 0:
-            return self._plain_due(D)
+            # a plain step to measure against, only under a policy that prices steps (fixed and
+            # threshold verify what they are told)
+            return hasattr(self.policy, "last_gain") and self._plain_due(D, True)
         gain = self._judged(self.expected_gain(R, width), D)
         if R < self.lost_at and gain >= 1.0:
             # that average was another load's: try again now, keeping the back-off (under serving
@@ -88,38 +89,31 @@ class VerifyLengthController:
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
         return True
 
-    def _plain_due(self, D: int) -> bool:
-        """A plain step to measure (again) what steps without drafting commit at D requests
-        (only under a policy that prices steps: fixed and threshold verify what they are told)."""
-        if not hasattr(self.policy, "last_gain"):
+    def _plain_due(self, D: int, kind: bool | str) -> bool:
+        """A plain step to measure (again) what steps without `kind`'s extra work commit at D
+        requests, once that kind has MEASURED_MIN steps there."""
+        steps, plain = self.rates.get((D, kind)), self.rates.get((D, False))
+        if steps is None or steps[1] < self.MEASURED_MIN:
             return False
-        drafting, plain = self.rates.get((D, True)), self.rates.get((D, False))
-        if drafting is None or drafting[1] < self.MEASURED_MIN:
-            return False
-        return plain is None or plain[1] < self.MEASURED_MIN or self.since_plain.get(D, 0) >= self.PLAIN_EVERY
+        return plain is None or plain[1] < self.MEASURED_MIN or self.since_plain.get((D, kind), 0) >= self.PLAIN_EVERY
 
-    def observe_outcome(self, D: int, drafted: bool, committed: int, seconds: float) -> None:
-        """A decode-only step of D requests committed `committed` tokens in `seconds`, its
-        drafter pass (drafted) included."""
+    def observe_outcome(self, D: int, kind: bool | str, committed: int, seconds: float) -> None:
+        """A decode-only step of D requests committed `committed` tokens in `seconds`; kind: True
+        (its drafter pass included), False (plain) or "lookup" (see ``rates``)."""
         if D < 1 or not seconds > 0:
             return
-        self._observe(D, drafted, committed, seconds)
-        self.since_plain[D] = self.since_plain.get(D, 0) + 1 if drafted else 0
-        if not drafted:
-            self.lookups_since_plain[D] = 0
-
-    def observe_lookups(self, D: int, committed: int, seconds: float) -> None:
-        """A paused decode-only step of D requests verified looked-up chains (no drafter pass)."""
-        if D < 1 or not seconds > 0:
-            return
-        self._observe(D, "lookup", committed, seconds)
-        self.lookups_since_plain[D] = self.lookups_since_plain.get(D, 0) + 1
-
-    def _observe(self, D: int, kind: bool | str, committed: int, seconds: float) -> None:
         rate = committed / seconds
         old = self.rates.setdefault((D, kind), [rate, 0])
         old[0] += max(self.RATE_EMA, 1.0 / (old[1] + 1)) * (rate - old[0])
         old[1] += 1
+        if kind is False:
+            self.since_plain[D, True] = self.since_plain[D, "lookup"] = 0
+        else:
+            self.since_plain[D, kind] = self.since_plain.get((D, kind), 0) + 1
+
+    def observe_lookups(self, D: int, committed: int, seconds: float) -> None:
+        """A paused decode-only step of D requests verified looked-up chains (no drafter pass)."""
+        self.observe_outcome(D, "lookup", committed, seconds)
 
     def measured_gain(self, D: int, kind: bool | str = True) -> float | None:
         """Measured tokens per second of drafting steps (kind "lookup": of paused steps that
@@ -137,20 +131,18 @@ class VerifyLengthController:
         measured = self.measured_gain(D, kind)
         if measured is not None:
             return measured
-        nearest = max((d for d, k in self.rates if k == kind and d < D and self.measured_gain(d, kind) is not None),
-                      default=None)
-        loss = None if nearest is None else self.measured_gain(nearest, kind)
-        return loss if loss is not None and loss < 1.0 else None
+        for d in sorted((d for d, k in self.rates if k == kind and d < D), reverse=True):
+            below = self.measured_gain(d, kind)
+            if below is not None:
+                return below if below < 1.0 else None
+        return None
 
     def lookups_pay(self, D: int) -> bool:
         """Whether a paused step of D decoding requests may verify looked-up chains (the policy
         prices each chain; this is what such steps measured): not when a plain step is due to
         measure against, nor where they measured a loss (or one at fewer requests), except one
         step in LOOKUP_RETRY."""
-        lookup, plain = self.rates.get((D, "lookup")), self.rates.get((D, False))
-        if lookup is not None and lookup[1] >= self.MEASURED_MIN and (
-                plain is None or plain[1] < self.MEASURED_MIN
-                or self.lookups_since_plain.get(D, 0) >= self.PLAIN_EVERY):
+        if self._plain_due(D, "lookup"):
             return False
         gain = self._measured_or_lower_loss(D, "lookup")
         if gain is None or gain >= 1.0:

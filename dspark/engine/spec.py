@@ -53,7 +53,7 @@ class SpecRunner:
             if priced else None
         # this step's mode (begin_step): drafting paused, and whether a paused step looks chains up
         self.paused, self.lookups = False, self.assist is not None
-        self._lookup_verdicts: dict[tuple, list] = {}  # _lookups_pay's recent verdicts
+        self._lookup_verdicts: dict[int, list] = {}  # rows -> _lookups_pay's last verdict there
         self.passed = False  # whether this step's propose ran the proposer's pass
         self.verified = False  # ... and whether it proposed any token to verify
         # prefix caching shares pages, and with them the drafter's context at their slots: then
@@ -153,21 +153,18 @@ class SpecRunner:
         policy = self.policy
         if policy is None:
             return True
-        # asked twice a step, every paused step: a verdict stands while the chains' first-token
-        # rate holds, for LOOKUP_VERDICT_STEPS asks (the policy's cost model moves slowly), so a
-        # paused step costs what a plain one does
+        # asked twice a step, every paused step: a verdict stands while the question (prefill
+        # tokens, the chains' first-token rate) is the same, for LOOKUP_VERDICT_STEPS asks (the
+        # policy's cost model moves slowly), so a paused step costs what a plain one does
         rate = self.assist.first_rate()
-        key = (rows, other_tokens, rate, id(policy))
-        hit = self._lookup_verdicts.get(key)
-        if hit is not None and hit[1] > 0:
-            hit[1] -= 1
-            return hit[0]
-        if len(self._lookup_verdicts) > 256:
-            self._lookup_verdicts.clear()
+        last = self._lookup_verdicts.get(rows)  # [other_tokens, rate, verdict, asks left]
+        if last is not None and last[:2] == [other_tokens, rate] and last[3] > 0:
+            last[3] -= 1
+            return last[2]
         conf = torch.zeros(rows, 1)
         conf[0] = rate
         verdict = policy.choose([1] + [0] * (rows - 1), conf, other_tokens, 0.0)[0] > 0
-        self._lookup_verdicts[key] = [verdict, self.LOOKUP_VERDICT_STEPS]
+        self._lookup_verdicts[rows] = [other_tokens, rate, verdict, self.LOOKUP_VERDICT_STEPS]
         return verdict
 
     def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, Proposal]:

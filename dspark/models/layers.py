@@ -81,30 +81,25 @@ def exact_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if cpu_reduced_precision(x) else torch.float32
 
 
-def _init_on_meta(module: nn.Module) -> bool:
-    """Whether a module's weights are on the meta device (placeholders for weights about to be
-    loaded): torch's random init there imports torch._dynamo and triton, ~0.14 GB resident for
-    the life of a server that never compiles anything."""
-    return module.weight.is_meta
-
-
-class Embedding(nn.Embedding):
-    """nn.Embedding without a random init on the meta device (see :func:`_init_on_meta`)."""
+class _NoInitOnMeta:
+    """A module whose weights on the meta device (placeholders for weights about to be loaded) get
+    no random init: torch's init there imports torch._dynamo and triton, ~0.14 GB resident for the
+    life of a server that never compiles anything."""
 
     def reset_parameters(self) -> None:
-        if not _init_on_meta(self):
+        if not self.weight.is_meta:
             super().reset_parameters()
 
 
-class Linear(nn.Linear):
+class Embedding(_NoInitOnMeta, nn.Embedding):
+    """nn.Embedding without a random init on the meta device."""
+
+
+class Linear(_NoInitOnMeta, nn.Linear):
     """nn.Linear whose one-row calls run as two rows on CPU in bf16/fp16: oneDNN's one-row
     kernel sums in another order than its many-row one (measured: 16 of 198 rows differ for
     a 1536-wide input), so a decoded token would get other bits than the same token verified.
-    No random init on the meta device (see :func:`_init_on_meta`)."""
-
-    def reset_parameters(self) -> None:
-        if not _init_on_meta(self):
-            super().reset_parameters()
+    No random init on the meta device."""
 
     def forward(self, x: torch.Tensor, rows=None) -> torch.Tensor:  # noqa: ANN001 - rows: packed.RowSplit
         if x.shape[0] == 1 and cpu_reduced_precision(x):

@@ -216,10 +216,10 @@ class Int4Linear(_WeightOnly):
         if self.amx is not None:
             # a GGUF's own fp16 scales and offsets: Q4_0/Q4_1's exactly; Q4_K's super-block values
             # as the file keeps them (2.5 bytes a group and column against 4)
-            if w.q4k is not None and w.q.shape[1] % 256 == 0:
+            if w.q4k is not None:
                 scale, offset = w.q4k.scale_offset()
-                k = w.q4k
-                packed, scale_offset = self.amx.pack_q4k(w.q.to(torch.uint8), k.d, k.dmin, k.sc, k.mn)
+                own = w.q4k
+                packed, scale_offset = self.amx.pack_q4k(w.q.to(torch.uint8), own.d, own.dmin, own.sc, own.mn)
             else:
                 scale = w.scale.half().float()
                 offset = (w.zero.double() - 8 * w.scale.double()).half().float()

@@ -171,3 +171,37 @@ def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter)
     turn = [prompts[0] + want[0] + tails[1], prompts[1] + want[1]]
     want2 = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in turn])]
     assert [o.token_ids for o in run_requests(cached, [(p, GREEDY, None) for p in turn])] == want2
+
+
+def test_prompts_admitted_while_drafting_pauses_share_the_prefix(folders, fresh, monkeypatch):  # noqa: F811
+    """A pause defers the drafter's context writes, and a page is shared only once its drafter
+    context is written: the prompt rows are written at once, so a prompt admitted during a long
+    pause still finds the shared prefix, its caches equal a fresh prefill once the pause's writes
+    go in, and its tokens equal an engine without prefix caching."""
+    from dspark.engine.policy import CostModel
+
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: CostModel([1], [1.0], frozen=True))
+    base = alphabet_prompts([41], seed=3)[0]
+    prompts = [base + t for t in alphabet_prompts([5, 9], seed=4)]
+    want = run_requests(make_engine(folders["target"], folders["dspark"]), [(p, GREEDY, None) for p in prompts])
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", enable_prefix_caching=True)
+    spec = engine.spec
+
+    def losing(survival, other_tokens, draft_seconds):  # every drafting step loses to plain decoding
+        spec.policy.last_gain = 0.5
+        return [1] * len(survival)
+
+    monkeypatch.setattr(spec.policy, "_admit", losing)
+    spec.controller.backoff = 1000  # the first judged loss pauses drafting for the rest of the test
+    run_requests(engine, [(alphabet_prompts([20], seed=6)[0], GREEDY, None)])  # drafts, loses, pauses
+    assert spec.controller.skip_steps > 100
+    passes, outs = spec.controller.num_draft_passes, []
+    for p in prompts:  # one after the other: the second finds the first's prompt pages
+        outs += run_requests(engine, [(p, GREEDY, None)])
+    assert spec.controller.num_draft_passes == passes and spec.proposer.context.pending  # paused throughout
+    assert engine.pool.prefix_hits >= 32  # the base's two full pages
+    assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+    engine.add_request("late", prompts[1], GREEDY)
+    engine.step()  # its prefill, from the cache
+    spec.proposer.context.flush()  # what the drafter's next pass would write first
+    check_caches(engine, fresh, engine.running[0])

@@ -248,6 +248,10 @@ class SpecRunner:
             ctx_rows = []
         elif not self.shared_prefixes:  # a request that never drafts needs none
             ctx_rows = [r for r in ctx_rows if r[0].spec_enabled]
+        elif paused and any(start < len(seq.prompt_ids) for seq, start, _ in ctx_rows):
+            # a prompt page is shared only once its drafter context is written (Engine._commit):
+            # deferred through a pause, every prompt admitted meanwhile would be prefilled whole
+            paused = False
         self.proposer.commit(ctx_rows, result.feats, flush=not paused)
 
     def capture_for(self, seqs: list[Sequence]) -> tuple[int, ...]:

@@ -175,9 +175,9 @@ def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter)
 
 def test_prompts_admitted_while_drafting_pauses_share_the_prefix(folders, fresh, monkeypatch):  # noqa: F811
     """A pause defers the drafter's context writes, and a page is shared only once its drafter
-    context is written: the prompt rows are written at once, so a prompt admitted during a long
-    pause still finds the shared prefix, its caches equal a fresh prefill once the pause's writes
-    go in, and its tokens equal an engine without prefix caching."""
+    context is written: prompt positions are written at once (the generated ones still wait), so
+    a prompt admitted during a long pause still finds the shared prefix, its caches equal a fresh
+    prefill once the pause's writes go in, and its tokens equal an engine without prefix caching."""
     from dspark.engine.policy import CostModel
 
     monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: CostModel([1], [1.0], frozen=True))
@@ -198,7 +198,9 @@ def test_prompts_admitted_while_drafting_pauses_share_the_prefix(folders, fresh,
     passes, outs = spec.controller.num_draft_passes, []
     for p in prompts:  # one after the other: the second finds the first's prompt pages
         outs += run_requests(engine, [(p, GREEDY, None)])
-    assert spec.controller.num_draft_passes == passes and spec.proposer.context.pending  # paused throughout
+    context = spec.proposer.context
+    assert spec.controller.num_draft_passes == passes  # paused throughout
+    assert context.pending and not context.prompts_pending  # generated positions wait, prompts do not
     assert engine.pool.prefix_hits >= 32  # the base's two full pages
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]
     engine.add_request("late", prompts[1], GREEDY)

@@ -15,7 +15,9 @@ class DrafterContext:
     committed meanwhile wait and go in one batched write once the pause ends: a write of a few
     rows per step costs ~4% of a small CPU step, most of it per-call overhead. Every step that may
     draft next flushes, and a proposer flushes before it reads (a pause may end early), so no
-    drafter pass sees a stale context.
+    drafter pass sees a stale context. Under prefix caching prompt positions are written at once
+    (add's prompts_now): a page is shared only once its drafter context is written, and a prompt
+    admitted during a pause would otherwise find no shared prefix.
 
     The paused steps' target passes still capture the feature rows queued here. Leaving them out
     would make the catch-up a target pass over every skipped position, and a target row costs far
@@ -34,29 +36,46 @@ class DrafterContext:
         # (seq, its preemption count then, first position, rows))
         self.pending: list[tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]] = []
         self.pending_rows = 0
+        self.prompts_pending = False  # whether a pending entry holds prompt positions
 
-    def add(self, ctx_rows, feats: torch.Tensor, flush: bool) -> None:
+    def add(self, ctx_rows, feats: torch.Tensor, flush: bool, prompts_now: bool = False) -> None:
         """Queue the kept rows of one step ((seq, first new position, rows) per request) and write
-        everything queued when flush (the next step may draft) or when too much waits."""
-        rows, entries = [], []
+        everything queued when flush (the next step may draft) or when too much waits.
+        prompts_now: prompt positions are written at once all the same (a prompt page is shared
+        with later requests only once its drafter context is written: prompt_pending)."""
+        rows, entries, now_rows, now = [], [], [], []
         for seq, start, kept in ctx_rows:
             if seq.is_finished or not kept:
                 continue
-            rows.extend(kept)
-            entries.append((seq, seq.num_preemptions, start, len(kept)))
+            p = max(0, min(len(kept), len(seq.prompt_ids) - start)) if prompts_now and not flush else 0
+            if p > 0:
+                now_rows.extend(kept[:p])
+                now.append((seq, seq.num_preemptions, start, p))
+            if p < len(kept):
+                rows.extend(kept[p:])
+                entries.append((seq, seq.num_preemptions, start + p, len(kept) - p))
+                self.prompts_pending |= start + p < len(seq.prompt_ids)
+        if now:
+            self._write([(self._rows(feats, now_rows), now)])
         if rows:  # a pass's features are its own (ForwardResult): kept whole, or the kept rows gathered
-            whole = rows == list(range(feats.shape[0]))
-            self.pending.append((feats if whole else feats[torch.tensor(rows, device=self.device)], entries))
+            self.pending.append((self._rows(feats, rows), entries))
             self.pending_rows += len(rows)
         if flush or self.pending_rows > self.MAX_PENDING_ROWS:
             self.flush()
 
+    def _rows(self, feats: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return feats if rows == list(range(feats.shape[0])) else feats[torch.tensor(rows, device=self.device)]
+
     def flush(self) -> None:
-        """Write every pending position into the drafter's cache. A request that finished or was
+        """Write every pending position into the drafter's cache."""
+        pending, self.pending, self.pending_rows, self.prompts_pending = self.pending, [], 0, False
+        self._write(pending)
+
+    def _write(self, steps: list) -> None:
+        """Write (features, entries) pairs as queued by add. A request that finished or was
         preempted since is skipped: its pages are gone, or its new prefill rewrites them."""
-        pending, self.pending, self.pending_rows = self.pending, [], 0
         feats, slots, positions, after = [], [], [], []
-        for f, entries in pending:
+        for f, entries in steps:
             keep, at = [], 0
             for seq, preemptions, start, n in entries:
                 if not seq.is_finished and seq.num_preemptions == preemptions:

@@ -287,7 +287,7 @@ class Engine:
             seq.num_cached += keep
         self.spec.commit(ctx_rows, result)
         # a page is shared only once the drafter's context for it is written too
-        share = self.pool.prefix_caching and not self.spec.context_pending()
+        share = self.pool.prefix_caching and not self.spec.prompts_pending()
         for w in works:
             if not w.seq.is_finished:
                 self.pool.truncate(w.seq.seq_id, w.seq.num_cached)

@@ -97,15 +97,16 @@ class Proposer:
         """One Draft per request (budgets[i] > 0: the most tokens worth proposing)."""
         raise NotImplementedError
 
-    def commit(self, ctx_rows, feats: torch.Tensor | None, flush: bool) -> None:
+    def commit(self, ctx_rows, feats: torch.Tensor | None, flush: bool, prompts_now: bool = False) -> None:
         """After each target pass: (seq, first new position, batch rows kept there) per request
-        and the captured target features of the pass; flush: the next step may draft."""
+        and the captured target features of the pass; flush: the next step may draft;
+        prompts_now: prompt positions enter the cache now, flush or not."""
 
     def release(self, seq_id: int) -> None:
         """seq_id finished or was preempted: drop what is kept for it."""
 
-    def context_pending(self) -> bool:
-        """Whether committed positions still wait to enter the proposer's cache."""
+    def prompts_pending(self) -> bool:
+        """Whether committed prompt positions still wait to enter the proposer's cache."""
         return False
 
     def context_headroom(self) -> int:

@@ -248,11 +248,10 @@ class SpecRunner:
             ctx_rows = []
         elif not self.shared_prefixes:  # a request that never drafts needs none
             ctx_rows = [r for r in ctx_rows if r[0].spec_enabled]
-        elif paused and any(start < len(seq.prompt_ids) for seq, start, _ in ctx_rows):
-            # a prompt page is shared only once its drafter context is written (Engine._commit):
-            # deferred through a pause, every prompt admitted meanwhile would be prefilled whole
-            paused = False
-        self.proposer.commit(ctx_rows, result.feats, flush=not paused)
+        # shared prefixes: a prompt page is shared only once its drafter context is written
+        # (Engine._commit), so prompt positions are not deferred through a pause; deferred, every
+        # prompt admitted meanwhile would be prefilled whole
+        self.proposer.commit(ctx_rows, result.feats, flush=not paused, prompts_now=self.shared_prefixes)
 
     def capture_for(self, seqs: list[Sequence]) -> tuple[int, ...]:
         """The target layers this step's pass captures for the proposer's context: none when no
@@ -267,6 +266,6 @@ class SpecRunner:
             self.assist.forget(seq_id)
         self.proposer.release(seq_id)
 
-    def context_pending(self) -> bool:
-        """Whether committed positions still wait to enter the proposer's cache."""
-        return self.proposer.context_pending()
+    def prompts_pending(self) -> bool:
+        """Whether committed prompt positions still wait to enter the proposer's cache."""
+        return self.proposer.prompts_pending()

@@ -118,9 +118,9 @@ class BlockProposer(Proposer):
                             vocab=to_target, constraint=constraint)
         return [Draft([], tree=t, num_proposed=self.cfg.tree_budget) for t in trees]
 
-    def commit(self, ctx_rows, feats: torch.Tensor | None, flush: bool) -> None:
+    def commit(self, ctx_rows, feats: torch.Tensor | None, flush: bool, prompts_now: bool = False) -> None:
         with torch.inference_mode():
-            self.context.add(ctx_rows, feats, flush=flush)
+            self.context.add(ctx_rows, feats, flush=flush, prompts_now=prompts_now)
 
-    def context_pending(self) -> bool:
-        return bool(self.context.pending)
+    def prompts_pending(self) -> bool:
+        return self.context.prompts_pending

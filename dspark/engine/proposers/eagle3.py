@@ -47,9 +47,9 @@ class Eagle3Proposer(Proposer):
         # seq_id -> (position, target features there) of its last committed position
         self.last: dict[int, tuple[int, torch.Tensor]] = {}
 
-    def commit(self, ctx_rows, feats: torch.Tensor | None, flush: bool) -> None:
+    def commit(self, ctx_rows, feats: torch.Tensor | None, flush: bool, prompts_now: bool = False) -> None:
         with torch.inference_mode():
-            self.context.add(ctx_rows, feats, flush=flush)
+            self.context.add(ctx_rows, feats, flush=flush, prompts_now=prompts_now)
             live = [(seq, start + len(kept) - 1, kept[-1]) for seq, start, kept in ctx_rows
                     if kept and not seq.is_finished]
             if live:
@@ -60,8 +60,8 @@ class Eagle3Proposer(Proposer):
     def release(self, seq_id: int) -> None:
         self.last.pop(seq_id, None)
 
-    def context_pending(self) -> bool:
-        return bool(self.context.pending)
+    def prompts_pending(self) -> bool:
+        return self.context.prompts_pending
 
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
         dev = self.target.device

@@ -64,3 +64,50 @@ def test_which_stacks_qualify(folders) -> None:  # noqa: ANN001
     layer.down_proj = dense_down.to(cpu_ops.quant_dtype())
     pack_linears(model.layers)  # -> a dense pre-packed linear, and the plan is dropped
     assert fused.stack_plan(model, ops) is None
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_a_pass_with_prompt_rows_gives_the_python_loops_bits(tmp_path, head_dim: int,  # noqa: ANN001
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass mixing decode rows and prompt chunks (head dim 64: one of them long enough for the
+    causal attention kernel's group) runs in the stack and gives the Python loop's hidden rows, captured
+    layers and K/V bit for bit."""
+    from spec_helpers import save_tiny_target
+
+    from dspark.engine.sequence import Sequence
+
+    engine = make_engine(save_tiny_target(tmp_path / "t", head_dim=head_dim), "none", quantization="int4",
+                         dtype=DT_NAME)
+    ops = cpu_ops.load()
+    plan = fused.stack_plan(engine.runner.model, ops)
+    assert plan is not None and plan.prompt_kernel is not None
+    seqs = [Sequence(seq_id=i, request_id=f"s{i}", prompt_ids=[3 + i] * 60, params=SamplingParams(),
+                     generator=None, eos_ids=frozenset()) for i in range(4)]
+    for s in seqs:
+        engine.pool.reserve(s.seq_id, 60)
+    torch.manual_seed(0)
+    ids = [torch.randint(5, 200, (60,)).tolist() for _ in seqs]
+    long = 48 if head_dim == 64 else 30  # past 33 rows a chunk is a causal group: head dims 64 and 128
+    items = [(seqs[0], ids[0][:1]), (seqs[1], ids[1][:1]), (seqs[2], ids[2][:9]), (seqs[3], ids[3][:long])]
+    for s in seqs[:2]:  # the decode rows' context: 20 cached positions
+        s.num_cached = 20
+    layers = tuple(range(len(engine.runner.model.layers)))[:2]
+    calls = []
+
+    def run(stack: bool):
+        with monkeypatch.context() as m:
+            if stack:
+                real = ops.decode_stack
+                m.setattr(ops, "decode_stack", lambda *a: calls.append(a[11].numel()) or real(*a))
+            else:
+                m.setattr(fused, "stack_plan", lambda model, ops: None)
+            res = engine.runner.forward(items, [0, 1, 10, 10 + long], capture=layers, prompt_rows=[0, 0, 9, long])
+            slots = [sl for s, t in items for sl in engine.pool.slots(s.seq_id, s.num_cached, s.num_cached + len(t))]
+            kv = engine.runner.kv
+            return res.hidden.clone(), res.feats.clone(), kv.k[:, slots].clone(), kv.v[:, slots].clone()
+
+    with torch.inference_mode():
+        on, off = run(True), run(False)
+    assert calls == [9 + long]  # the stack ran, with the prompt rows split from the decode rows
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)

@@ -44,5 +44,6 @@ std::vector<at::Tensor> decode_stack(at::Tensor h, const std::vector<at::Tensor>
                                      const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
                                      const at::Tensor& slots, const std::vector<at::Tensor>& groups,
                                      std::vector<int64_t> shape, std::vector<double> eps,
-                                     const std::vector<int64_t>& capture);
+                                     const std::vector<int64_t>& capture, const at::Tensor& prompt_rows,
+                                     const at::Tensor& rest_rows, const std::vector<int64_t>& prompt_kernel);
 }  // namespace dspark

@@ -6,8 +6,9 @@ call, one attention call and one SwiGLU call. Used for every inference pass on C
 kernels are available and the attention backend is the torch one, so a decoded token and the
 same token verified always take this path.
 
-Where every linear is an int4/int8 product of ``cpu_ops.quant()`` (``amx_weights``), the pass has
-no prompt rows and every attention group is a short one, the whole loop runs in C++
+Where every linear is an int4/int8 product of ``cpu_ops.quant()`` (``amx_weights``), prompt rows
+(if any) take no dense copy, and every attention group is a short one or a causal prompt chunk
+with a fused kernel, the whole loop runs in C++
 (``csrc/decode_stack.cpp``): the same kernels in the same order, so the same bits, without the
 Python between them. Which layers qualify is worked out once per stack and kept on its ``layers``
 list; code that swaps a stack's modules afterwards calls :func:`forget_stack` (the quantizer and
@@ -42,11 +43,15 @@ def decoder_forward(model, ops, h: torch.Tensor, positions: torch.Tensor, attn, 
     cos, sin = model.rotary(positions, h.dtype)
     cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
     layers = model.layers
-    plan = stack_plan(model, ops) if rows is None else None
-    if plan is not None and all(g.short for g in attn.groups):
-        groups = [t for g in attn.groups for t in (g.gather, g.q_index, g.row_mask)]
+    plan = stack_plan(model, ops)
+    causal = hasattr(ops, "attend_causal") and model.layers[0].self_attn.hd in (64, 128)
+    if plan is not None and (rows is None or plan.prompt_kernel is not None) \
+            and all(g.short or (causal and g.visible is not None) for g in attn.groups):
+        groups = [t for g in attn.groups for t in (g.gather, g.q_index, g.row_mask if g.short else g.visible)]
+        none = _NO_ROWS
+        prompt, rest = (none, none) if rows is None else (rows.prefill, none if rows.rest is None else rows.rest)
         out = ops.decode_stack(h, plan.weights, kv.k, kv.v, cos, sin, attn.slot_mapping, groups, plan.shape,
-                               plan.eps, list(capture))
+                               plan.eps, list(capture), prompt, rest, plan.prompt_kernel or [])
         return out[0], (torch.cat(out[1:], -1) if capture else None)
     x = ops.rms_norm(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
     taken = {}
@@ -66,14 +71,20 @@ def decoder_forward(model, ops, h: torch.Tensor, positions: torch.Tensor, attn, 
     return x, feats
 
 
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
 @dataclass
 class StackPlan:
     """What ``decode_stack`` takes for one model: its flat weight list (see the C++ source), the
-    attention shape (heads, kv heads, head dim) and (norm eps, q/k norm eps, attention scale)."""
+    attention shape (heads, kv heads, head dim), (norm eps, q/k norm eps, attention scale), and per
+    layer and linear whether prompt rows take ``mm_prompt`` (None: some linear keeps a dense copy
+    for them, so passes with prompt rows keep the Python loop)."""
 
     weights: list[torch.Tensor]
     shape: list[int]
     eps: list[float]
+    prompt_kernel: list[int] | None = None
 
 
 def forget_stack(module: nn.Module) -> None:
@@ -110,12 +121,18 @@ def _make_plan(model) -> StackPlan | None:  # noqa: ANN001
     none = torch.empty(0, dtype=dtype)
     first = _norm_weight(layers[0].input_layernorm, eps, dtype)
     weights = [first]
+    prompt_kernel: list[int] | None = []
     for i, layer in enumerate(layers):
         a, m = layer.self_attn, layer.mlp
-        parts = [getattr(lin, "amx_weights", lambda: None)() for lin in
-                 (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+        linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        parts = [getattr(lin, "amx_weights", lambda: None)() for lin in linears]
         if any(p is None for p in parts):
             return None
+        if prompt_kernel is not None:  # what _WeightOnly.forward does with prompt rows
+            if any(lin.prefill is not None for lin in linears):
+                prompt_kernel = None
+            else:
+                prompt_kernel += [int(lin._prompt_args() is not None) for lin in linears]
         qk = [none, none]
         if a.q_norm is not None or a.k_norm is not None:
             if not (isinstance(a.q_norm, KernelRMSNorm) and isinstance(a.k_norm, KernelRMSNorm)):
@@ -127,4 +144,5 @@ def _make_plan(model) -> StackPlan | None:  # noqa: ANN001
     if any(w is None for w in weights) or len(eps) != 1 or len(qk_eps) > 1:
         return None
     a = layers[0].self_attn
-    return StackPlan(weights, [a.nh, a.nkv, a.hd], [eps.pop(), qk_eps.pop() if qk_eps else 0.0, a.scale])
+    return StackPlan(weights, [a.nh, a.nkv, a.hd], [eps.pop(), qk_eps.pop() if qk_eps else 0.0, a.scale],
+                     prompt_kernel)

@@ -17,6 +17,33 @@
 
 namespace dspark::amx {
 
+namespace {
+// Byte b of each 32-bit lane, zero- or sign-extended: one instruction where a shift or a shuffle
+// does it alone (the expansion below is the fixed cost of every prompt-carrying pass).
+inline __m512i unsigned_byte(__m512i w, int b) {
+  if (b == 0) return _mm512_and_si512(w, _mm512_set1_epi32(0xFF));
+  if (b == 3) return _mm512_srli_epi32(w, 24);
+  // within each 128-bit lane, dword i takes its byte b (index 4i + b) and zeros (0x80) above it
+  const int e = static_cast<int>(0x80808000u) + b;
+  const __m512i pick = _mm512_set_epi32(e + 12, e + 8, e + 4, e, e + 12, e + 8, e + 4, e,
+                                        e + 12, e + 8, e + 4, e, e + 12, e + 8, e + 4, e);
+  return _mm512_shuffle_epi8(w, pick);
+}
+
+inline __m512i signed_byte(__m512i w, int b) {
+  return b == 3 ? _mm512_srai_epi32(w, 24) : _mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * b), 24);
+}
+
+// Two rows of 16 floats -> one tile row of bf16 pairs (lo[c] in the low half of lane c, hi[c] in
+// the high one), rounded as _mm512_cvtneps_pbh rounds each.
+inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0-15: lo, 16-31: hi
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(order, both);
+}
+}  // namespace
+
 // Prompt rows (many of them) times an int4 weight from pack(), or an int8 one from pack8() (given
 // its code sums: Q8_0 codes, or the k-quant form), as a GEMM on bf16 tiles: each column-tile
 // pair's codes are expanded once to bf16 weights w = d * q + m (fp32, then rounded to bf16) in a
@@ -72,16 +99,10 @@ at::Tensor mm_prompt(const at::Tensor& x_in, const at::Tensor& packed, const at:
           for (int q = 0; q < 8; ++q) {
             const __m512 d = q < 4 ? d_lo : d_hi;  // inputs 0-15, then 16-31
             __m512 f[4];
-            for (int b = 0; b < 4; ++b) {
-              const __m512i c = codes8 ? _mm512_srai_epi32(_mm512_slli_epi32(w[q], 24 - 8 * b), 24)  // signed
-                                       : _mm512_and_si512(_mm512_srli_epi32(w[q], 8 * b), _mm512_set1_epi32(0xFF));
-              f[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), d, m);
-            }
-            for (int h = 0; h < 2; ++h) {  // tile row 2q + h holds k = 4q + 2h (low half) and 4q + 2h + 1
-              const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f[2 * h]));
-              const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f[2 * h + 1]));
-              _mm512_storeu_si512(dst + 16 * (2 * q + h), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-            }
+            for (int b = 0; b < 4; ++b)
+              f[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes8 ? signed_byte(w[q], b) : unsigned_byte(w[q], b)), d, m);
+            for (int h = 0; h < 2; ++h)  // tile row 2q + h holds k = 4q + 2h (low half) and 4q + 2h + 1
+              _mm512_storeu_si512(dst + 16 * (2 * q + h), bf16_pairs(f[2 * h], f[2 * h + 1]));
           }
         }
       }

@@ -42,7 +42,7 @@ class DrafterContext:
         """Queue the kept rows of one step ((seq, first new position, rows) per request) and write
         everything queued when flush (the next step may draft) or when too much waits.
         prompts_now: prompt positions are written at once all the same (a prompt page is shared
-        with later requests only once its drafter context is written: prompt_pending)."""
+        with later requests only once its drafter context is written: prompts_pending)."""
         rows, entries, now_rows, now = [], [], [], []
         for seq, start, kept in ctx_rows:
             if seq.is_finished or not kept:

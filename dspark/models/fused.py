@@ -128,11 +128,9 @@ def _make_plan(model) -> StackPlan | None:  # noqa: ANN001
         parts = [getattr(lin, "amx_weights", lambda: None)() for lin in linears]
         if any(p is None for p in parts):
             return None
-        if prompt_kernel is not None:  # what _WeightOnly.forward does with prompt rows
-            if any(lin.prefill is not None for lin in linears):
-                prompt_kernel = None
-            else:
-                prompt_kernel += [int(lin._prompt_args() is not None) for lin in linears]
+        if prompt_kernel is not None:
+            paths = [lin.prompt_path() for lin in linears]
+            prompt_kernel = None if "dense" in paths else prompt_kernel + [int(p == "prompt") for p in paths]
         qk = [none, none]
         if a.q_norm is not None or a.k_norm is not None:
             if not (isinstance(a.q_norm, KernelRMSNorm) and isinstance(a.k_norm, KernelRMSNorm)):

@@ -183,6 +183,13 @@ class _WeightOnly(nn.Module):
         None: prompt rows take the decode kernel."""
         return None
 
+    def prompt_path(self) -> str:
+        """Which kernel takes prompt rows: "dense" (the prefill copy), "prompt" (``mm_prompt``) or
+        "decode" (the decode kernel, as every other row)."""
+        if self.prefill is not None:
+            return "dense"
+        return "prompt" if self._prompt_args() is not None else "decode"
+
     def _prompt(self, x: torch.Tensor) -> torch.Tensor:
         y = self.amx.mm_prompt(x, *self._prompt_args())
         return y if self.bias is None else y + self.bias

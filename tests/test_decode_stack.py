@@ -108,6 +108,8 @@ def test_a_pass_with_prompt_rows_gives_the_python_loops_bits(tmp_path, head_dim:
 
     with torch.inference_mode():
         on, off = run(True), run(False)
-    assert calls == [9 + long]  # the stack ran, with the prompt rows split from the decode rows
+    # the stack ran, with the prompt rows split from the decode rows; a long chunk needs the
+    # causal kernel, which AVX2 builds do not have (the Python loop attends it there)
+    assert calls == ([9 + long] if head_dim == 16 or hasattr(ops, "attend_causal") else [])
     for a, b in zip(on, off):
         assert torch.equal(a, b)

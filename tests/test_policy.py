@@ -14,6 +14,7 @@ from spec_helpers import alphabet_prompts, make_engine, run_requests
 from dspark.config import SamplingParams
 from dspark.engine.policy import CostModel, LoadAwarePolicy, ThresholdPolicy, make_policy
 from dspark.engine.tree import DraftTree, build_trees
+from dspark.models import cpu_ops
 
 FLAT = CostModel([1, 256], [1.0, 1.0])  # a pass costs the same whatever it holds: verify everything
 STEEP = CostModel([1, 2, 256], [1.0, 2.0, 256.0], frozen=True)  # each extra token costs a whole pass
@@ -351,6 +352,9 @@ def test_cost_profile_fits_a_small_kv_cache(folders, tmp_path, monkeypatch):
     engine.pool = SimpleNamespace(num_free=10_000, page_size=16)
     assert profile._key(engine) != small
     engine.pool = pool
+    if cpu_ops.load() is not None:  # other kernel sources: another profile
+        monkeypatch.setattr(cpu_ops, "sources_digest", lambda: "changed")
+        assert profile._key(engine) != small
     out = run_requests(engine, [(alphabet_prompts([20])[0], SamplingParams(temperature=0, max_tokens=12), None)])[0]
     assert out.finish_reason == "length"
 

@@ -20,6 +20,7 @@ kernel.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import pathlib
@@ -102,6 +103,17 @@ def load():  # noqa: ANN201 - the compiled module or None
     if not enabled():
         return None
     return quant() or _build()
+
+
+@functools.cache
+def sources_digest() -> str:
+    """A short hash of the kernels' sources (csrc/): what a record measured with these kernels,
+    such as the start-up cost profile, is keyed by, so that a changed kernel measures again."""
+    h = hashlib.sha256()
+    for path in sorted(CSRC.glob("*")):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _cpu_flags() -> set[str]:

@@ -69,22 +69,18 @@ inline __m512 round_half(__m512 v) {
 // kSym's m = -8 d and kSub's products are exact in fp32, so each form gives the values a stored
 // fp16 d and m would.
 inline void int4_scales(const void* scales, Int4Form form, int64_t t, int64_t g, int64_t gi, __m512& d, __m512& m) {
+  const Int4ScalesAt at = int4_scales_at(scales, form, t, g, gi);
   if (form == Int4Form::kSub) {
-    const uint8_t* b = static_cast<const uint8_t*>(scales) + (t * (g / kSubGroups) + gi / kSubGroups) * kSubBytes;
-    const uint8_t* sc = b + 4 * kCols + (gi % kSubGroups) * kCols;
     auto bytes = [](const uint8_t* p) {
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     };
-    const uint16_t* dd = reinterpret_cast<const uint16_t*>(b);
-    d = round_half(_mm512_mul_ps(half16(dd), bytes(sc)));
-    m = _mm512_xor_ps(round_half(_mm512_mul_ps(half16(dd + kCols), bytes(sc + kSubGroups * kCols))),
+    d = round_half(_mm512_mul_ps(half16(at.half), bytes(at.sc)));
+    m = _mm512_xor_ps(round_half(_mm512_mul_ps(half16(at.half + kCols), bytes(at.sc + kSubGroups * kCols))),
                       _mm512_set1_ps(-0.0f));  // -fp16(dmin * mn), signed zero included
     return;
   }
-  const int64_t per = form == Int4Form::kSym ? kCols : 2 * kCols;
-  const uint16_t* p = static_cast<const uint16_t*>(scales) + (t * g + gi) * per;
-  d = half16(p);
-  m = form == Int4Form::kSym ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)) : half16(p + kCols);
+  d = half16(at.half);
+  m = form == Int4Form::kSym ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)) : half16(at.half + kCols);
 }
 
 // 256 packed bytes of one (column tile, group) -> 8 vectors of unsigned codes, vector j holding

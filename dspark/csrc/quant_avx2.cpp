@@ -96,20 +96,18 @@ inline __m256 round_half8(__m256 v) {
 // amx_tiles.h's int4_scales for half h (columns 8h .. 8h + 7) of column tile t, group gi.
 inline void int4_scales8(const void* scales, Int4Form form, int64_t t, int64_t g, int64_t gi, int h, __m256& d,
                          __m256& m) {
+  const Int4ScalesAt at = int4_scales_at(scales, form, t, g, gi);
+  const uint16_t* p = at.half + 8 * h;
   if (form == Int4Form::kSub) {
-    const uint8_t* b = static_cast<const uint8_t*>(scales) + (t * (g / kSubGroups) + gi / kSubGroups) * kSubBytes;
-    const uint8_t* sc = b + 4 * kCols + (gi % kSubGroups) * kCols + 8 * h;
-    auto bytes = [](const uint8_t* p) {
-      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    auto bytes = [](const uint8_t* q) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
     };
-    const uint16_t* dd = reinterpret_cast<const uint16_t*>(b) + 8 * h;
-    d = round_half8(_mm256_mul_ps(half8(dd), bytes(sc)));
-    m = _mm256_xor_ps(round_half8(_mm256_mul_ps(half8(dd + kCols), bytes(sc + kSubGroups * kCols))),
+    const uint8_t* sc = at.sc + 8 * h;
+    d = round_half8(_mm256_mul_ps(half8(p), bytes(sc)));
+    m = _mm256_xor_ps(round_half8(_mm256_mul_ps(half8(p + kCols), bytes(sc + kSubGroups * kCols))),
                       _mm256_set1_ps(-0.0f));
     return;
   }
-  const int64_t per = form == Int4Form::kSym ? kCols : 2 * kCols;
-  const uint16_t* p = static_cast<const uint16_t*>(scales) + (t * g + gi) * per + 8 * h;
   d = half8(p);
   m = form == Int4Form::kSym ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : half8(p + kCols);
 }

@@ -41,6 +41,24 @@ enum class Int4Form : uint8_t { kFull, kSym, kSub };
 constexpr int kSubGroups = 8;
 constexpr int64_t kSubBytes = 4 * kCols + 2 * kSubGroups * kCols;
 
+// Where (column tile t, group gi)'s int4 scales sit (scales: the tensor pack() or pack_q4k()
+// returned, g groups per row), for each build's int4_scales. half: 16 fp16 values d, then (kFull)
+// 16 offsets m, or (kSub) the super-block's d then dmin; sc (kSub alone): the group's 16 6-bit
+// scales, its mins kSubGroups * kCols bytes further.
+struct Int4ScalesAt {
+  const uint16_t* half;
+  const uint8_t* sc;
+};
+
+inline Int4ScalesAt int4_scales_at(const void* scales, Int4Form form, int64_t t, int64_t g, int64_t gi) {
+  if (form == Int4Form::kSub) {
+    const uint8_t* b = static_cast<const uint8_t*>(scales) + (t * (g / kSubGroups) + gi / kSubGroups) * kSubBytes;
+    return {reinterpret_cast<const uint16_t*>(b), b + 4 * kCols + (gi % kSubGroups) * kCols};
+  }
+  const int64_t per = form == Int4Form::kSym ? kCols : 2 * kCols;
+  return {static_cast<const uint16_t*>(scales) + (t * g + gi) * per, nullptr};
+}
+
 // x [rows, k] times a packed weight of n outputs; bytes: int8 codes (pack()'s Q8_0), else int4.
 // split: a pack8 weight in the k-quant form (two scales per group, one per 16 inputs, and an offset).
 // form: an int4 weight's scale form.

@@ -54,6 +54,11 @@ class _Group:
     sdpa_masked: bool = True  # False: SDPA runs unmasked (every query sees every key; inexact only)
     visible: torch.Tensor | None = None  # [S, Qmax]: causal rows see their first n keys (None: not causal)
 
+    def fused(self, ops, head_dim: int) -> bool:  # noqa: ANN001 - ops: the fused CPU kernels (models.cpu_ops)
+        """Whether ``ops`` attends this group in one kernel: a short group (``attend``), or causal
+        rows where the build has ``attend_causal`` for this head dim."""
+        return self.short or (self.visible is not None and head_dim in (64, 128) and hasattr(ops, "attend_causal"))
+
     @property
     def mask(self) -> torch.Tensor | None:
         """SDPA's mask [S, 1, Qmax, Lmax] (one for every head), or None when it runs unmasked."""
@@ -165,11 +170,11 @@ class TorchAttention:
         qz = None
         out = q.new_empty(N, H, D) if len(self.groups) > 1 or fused else None
         for g in self.groups:
-            if fused and g.short:
-                ops.attend(q, k_cache, v_cache, g.gather, g.q_index, g.row_mask, scale, out)
-                continue
-            if fused and g.visible is not None and hasattr(ops, "attend_causal") and D in (64, 128):
-                ops.attend_causal(q, k_cache, v_cache, g.gather, g.q_index, g.visible, scale, out)
+            if fused and g.fused(ops, D):
+                if g.short:
+                    ops.attend(q, k_cache, v_cache, g.gather, g.q_index, g.row_mask, scale, out)
+                else:
+                    ops.attend_causal(q, k_cache, v_cache, g.gather, g.q_index, g.visible, scale, out)
                 continue
             if qz is None and not g.dense:
                 qz = torch.cat([q, q.new_zeros(1, H, D)])

@@ -16,8 +16,8 @@ class DrafterContext:
     rows per step costs ~4% of a small CPU step, most of it per-call overhead. Every step that may
     draft next flushes, and a proposer flushes before it reads (a pause may end early), so no
     drafter pass sees a stale context. Under prefix caching prompt positions are written at once
-    (add's prompts_now): a page is shared only once its drafter context is written, and a prompt
-    admitted during a pause would otherwise find no shared prefix.
+    (add's prompts_now): a prompt page is shared as soon as it is full, and the drafter's context
+    at its slots with it.
 
     The paused steps' target passes still capture the feature rows queued here. Leaving them out
     would make the catch-up a target pass over every skipped position, and a target row costs far
@@ -36,13 +36,12 @@ class DrafterContext:
         # (seq, its preemption count then, first position, rows))
         self.pending: list[tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]] = []
         self.pending_rows = 0
-        self.prompts_pending = False  # whether a pending entry holds prompt positions
 
     def add(self, ctx_rows, feats: torch.Tensor, flush: bool, prompts_now: bool = False) -> None:
         """Queue the kept rows of one step ((seq, first new position, rows) per request) and write
         everything queued when flush (the next step may draft) or when too much waits.
-        prompts_now: prompt positions are written at once all the same (a prompt page is shared
-        with later requests only once its drafter context is written: prompts_pending)."""
+        prompts_now: prompt positions are written at once all the same (under prefix caching a
+        prompt page is shared with later requests, and with it the drafter's context there)."""
         rows, entries, now_rows, now = [], [], [], []
         for seq, start, kept in ctx_rows:
             if seq.is_finished or not kept:
@@ -54,7 +53,6 @@ class DrafterContext:
             if p < len(kept):
                 rows.extend(kept[p:])
                 entries.append((seq, seq.num_preemptions, start + p, len(kept) - p))
-                self.prompts_pending |= start + p < len(seq.prompt_ids)
         if now:
             self._write([(self._rows(feats, now_rows), now)])
         if rows:  # a pass's features are its own (ForwardResult): kept whole, or the kept rows gathered
@@ -63,12 +61,17 @@ class DrafterContext:
         if flush or self.pending_rows > self.MAX_PENDING_ROWS:
             self.flush()
 
+    @property
+    def prompts_pending(self) -> bool:
+        """Whether a pending entry holds prompt positions (never with add's prompts_now)."""
+        return any(start < len(seq.prompt_ids) for _, entries in self.pending for seq, _, start, _ in entries)
+
     def _rows(self, feats: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return feats if rows == list(range(feats.shape[0])) else feats[torch.tensor(rows, device=self.device)]
 
     def flush(self) -> None:
         """Write every pending position into the drafter's cache."""
-        pending, self.pending, self.pending_rows, self.prompts_pending = self.pending, [], 0, False
+        pending, self.pending, self.pending_rows = self.pending, [], 0
         self._write(pending)
 
     def _write(self, steps: list) -> None:

@@ -286,8 +286,9 @@ class Engine:
             ctx_rows.append((seq, start, [w.first_row + r for r in w.kept_rows]))
             seq.num_cached += keep
         self.spec.commit(ctx_rows, result)
-        # a page is shared only once the drafter's context for it is written too
-        share = self.pool.prefix_caching and not self.spec.prompts_pending()
+        # a shared page shares the drafter's context at its slots too: under prefix caching prompt
+        # positions enter the drafter's cache at once, even while drafting pauses (SpecRunner.commit)
+        share = self.pool.prefix_caching
         for w in works:
             if not w.seq.is_finished:
                 self.pool.truncate(w.seq.seq_id, w.seq.num_cached)

@@ -28,9 +28,10 @@ LADDER = [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 32, 64, 128, 256]
 def _key(engine) -> str:
     # a small KV cache measures only part of the ladder (the fit): its profile is kept apart
     kernels = cpu_ops.quant_kind() if "Int4Linear" in engine.quantization else None
-    stack = hasattr(cpu_ops.load(), "decode_stack")  # a pass in one C++ call costs less
+    ops = cpu_ops.load()
+    stack = hasattr(ops, "decode_stack")  # a pass in one C++ call costs less
     # and the kernels' sources: a profile measured by other kernels prices other passes
-    src = cpu_ops.sources_digest() if cpu_ops.load() is not None else None
+    src = cpu_ops.sources_digest() if ops is not None else None
     raw = (f"v8|kernels={kernels}|stack={stack}|src={src}|{engine.model_path}|{engine.device}|{engine.dtype}"
            f"|{torch.get_num_threads()}"
            f"|{engine.attn.name}|graphs={bool(engine.runner.graphs)}|fit={_fit(engine.pool, LADDER)}"

@@ -105,10 +105,6 @@ class Proposer:
     def release(self, seq_id: int) -> None:
         """seq_id finished or was preempted: drop what is kept for it."""
 
-    def prompts_pending(self) -> bool:
-        """Whether committed prompt positions still wait to enter the proposer's cache."""
-        return False
-
     def context_headroom(self) -> int:
         """Cache slots past a request's context one draft pass may write."""
         return 0

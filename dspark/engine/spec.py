@@ -248,9 +248,8 @@ class SpecRunner:
             ctx_rows = []
         elif not self.shared_prefixes:  # a request that never drafts needs none
             ctx_rows = [r for r in ctx_rows if r[0].spec_enabled]
-        # shared prefixes: a prompt page is shared only once its drafter context is written
-        # (Engine._commit), so prompt positions are not deferred through a pause; deferred, every
-        # prompt admitted meanwhile would be prefilled whole
+        # shared prefixes: a prompt page is shared (Engine._commit) with the drafter's context at its
+        # slots, so prompt positions are not deferred through a pause
         self.proposer.commit(ctx_rows, result.feats, flush=not paused, prompts_now=self.shared_prefixes)
 
     def capture_for(self, seqs: list[Sequence]) -> tuple[int, ...]:
@@ -265,7 +264,3 @@ class SpecRunner:
         if self.assist is not None:
             self.assist.forget(seq_id)
         self.proposer.release(seq_id)
-
-    def prompts_pending(self) -> bool:
-        """Whether committed prompt positions still wait to enter the proposer's cache."""
-        return self.proposer.prompts_pending()

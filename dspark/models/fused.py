@@ -44,12 +44,11 @@ def decoder_forward(model, ops, h: torch.Tensor, positions: torch.Tensor, attn, 
     cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
     layers = model.layers
     plan = stack_plan(model, ops)
-    causal = hasattr(ops, "attend_causal") and model.layers[0].self_attn.hd in (64, 128)
     if plan is not None and (rows is None or plan.prompt_kernel is not None) \
-            and all(g.short or (causal and g.visible is not None) for g in attn.groups):
+            and all(g.fused(ops, plan.shape[2]) for g in attn.groups):
         groups = [t for g in attn.groups for t in (g.gather, g.q_index, g.row_mask if g.short else g.visible)]
-        none = _NO_ROWS
-        prompt, rest = (none, none) if rows is None else (rows.prefill, none if rows.rest is None else rows.rest)
+        prompt = _NO_ROWS if rows is None else rows.prefill
+        rest = _NO_ROWS if rows is None or rows.rest is None else rows.rest
         out = ops.decode_stack(h, plan.weights, kv.k, kv.v, cos, sin, attn.slot_mapping, groups, plan.shape,
                                plan.eps, list(capture), prompt, rest, plan.prompt_kernel or [])
         return out[0], (torch.cat(out[1:], -1) if capture else None)

@@ -121,6 +121,3 @@ class BlockProposer(Proposer):
     def commit(self, ctx_rows, feats: torch.Tensor | None, flush: bool, prompts_now: bool = False) -> None:
         with torch.inference_mode():
             self.context.add(ctx_rows, feats, flush=flush, prompts_now=prompts_now)
-
-    def prompts_pending(self) -> bool:
-        return self.context.prompts_pending

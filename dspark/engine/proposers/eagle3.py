@@ -60,9 +60,6 @@ class Eagle3Proposer(Proposer):
     def release(self, seq_id: int) -> None:
         self.last.pop(seq_id, None)
 
-    def prompts_pending(self) -> bool:
-        return self.context.prompts_pending
-
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
         dev = self.target.device
         walk, budgets = open_walk(self.cfg, seqs, budgets, self.target.model.config.vocab_size, self.to_target, dev)

@@ -108,6 +108,33 @@ def test_attention_row_alone_equals_row_in_a_chain_and_a_tree(head_dim, dtype):
     assert path[-1] == 3 and torch.equal(alone[0], both[3])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])  # the register path, heads of a KV head side by side
+def test_attention_head_gets_its_bits_alone_and_under_any_thread_split(head_dim):
+    """attend runs the query heads of a KV head together (sharing each key's load): every head
+    gets the bits it gets attended alone (one head over its KV head's cache), and the output does
+    not depend on how threads split the heads (float32 shows any change of order)."""
+    g = torch.Generator().manual_seed(4)
+    nh, nkv = 9, 3
+    kc = torch.randn(96, nkv, head_dim, generator=g)
+    vc = torch.randn(96, nkv, head_dim, generator=g)
+    q = torch.randn(1 + 6 + 1, nh, head_dim, generator=g)
+    attn = _plan([1, 6, 1], [9, 20, 30])
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(attn.attend(q, kc, vc, 0.25, ops))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for h in range(nh):
+        kvh = h // (nh // nkv)
+        alone = attn.attend(q[:, h:h + 1].contiguous(), kc[:, kvh:kvh + 1].contiguous(),
+                            vc[:, kvh:kvh + 1].contiguous(), 0.25, ops)
+        assert torch.equal(alone[:, 0], outs[0][:, h])
+
+
 needs_causal = pytest.mark.skipif(not hasattr(ops, "attend_causal"), reason="attend_causal is AVX512-only")
 
 

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace dspark::cpu {
@@ -70,36 +71,70 @@ void softmax_values_heads(float* const* score, const float* mx, const int64_t* s
   }
 }
 
-// One query head over its visible keys with head_dim = 16 * C held in registers: each score as C
-// products added in a fixed pairwise tree, its 16 lanes summed by hsum16.
-template <int C, typename T>
-void head_attend(const T* qr, const T* kc, const T* vc, const int64_t* slots, const bool* m, int64_t lmax,
-                 int64_t stride, float sc, float* score, int64_t* key, T* orow) {
-  __m512 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = load16(qr + 16 * c);
+// NH query heads of one KV head over their visible keys (qr[h], orow[h], score[h]), head_dim =
+// 16 * C held in registers: each score as C products added in a fixed pairwise tree, its 16 lanes
+// summed by hsum16. The heads share each key's load; each head's bits do not depend on NH.
+template <int C, int NH, typename T>
+void heads_attend(const T* const* qr, const T* kc, const T* vc, const int64_t* slots, const bool* m, int64_t lmax,
+                  int64_t stride, float sc, float* const* score, int64_t* key, T* const* orow) {
+  __m512 qv[NH][C];
+  float mx[NH];
+  for (int h = 0; h < NH; ++h) {
+    for (int c = 0; c < C; ++c) qv[h][c] = load16(qr[h] + 16 * c);
+    mx[h] = -INFINITY;
+  }
   int64_t seen = 0;
-  float mx = -INFINITY;
   for (int64_t j = 0; j < lmax; ++j) {
     if (!m[j]) continue;
     const T* kr = kc + slots[j] * stride;
-    __m512 prod[C];
-    for (int c = 0; c < C; ++c) prod[c] = _mm512_mul_ps(qv[c], load16(kr + 16 * c));
-    for (int w = C / 2; w > 0; w /= 2) {
-      for (int c = 0; c < w; ++c) prod[c] = _mm512_add_ps(prod[c], prod[c + w]);
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(kr + 16 * c);
+    for (int h = 0; h < NH; ++h) {
+      __m512 prod[C];
+      for (int c = 0; c < C; ++c) prod[c] = _mm512_mul_ps(qv[h][c], kv[c]);
+      for (int w = C / 2; w > 0; w /= 2) {
+        for (int c = 0; c < w; ++c) prod[c] = _mm512_add_ps(prod[c], prod[c + w]);
+      }
+      const float v = hsum16(prod[0]) * sc;
+      score[h][seen] = v;
+      mx[h] = v > mx[h] ? v : mx[h];
     }
-    const float v = hsum16(prod[0]) * sc;
-    key[seen] = slots[j];
-    score[seen++] = v;
-    mx = v > mx ? v : mx;
+    key[seen++] = slots[j];
   }
-  float* scores[1] = {score};
-  T* out[1] = {orow};
-  softmax_values_heads<C, 1>(scores, &mx, key, seen, vc, stride, out);
+  softmax_values_heads<C, NH>(score, mx, key, seen, vc, stride, orow);
 }
 
-// head_attend's scores of 16 consecutive keys at once, one key per lane: kt holds the keys
+// r[i][x] -> r[x][i]: a 16 x 16 float32 block transposed in registers (pairs, then quads, then
+// 128-bit lanes twice).
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + e]: rows 4i .. 4i + 3 of element 4L + e in lane L
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88), b = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512 f = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xdd);
+    t[e] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[8 + e] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    t[4 + e] = _mm512_shuffle_f32x4(b, f, 0x88);
+    t[12 + e] = _mm512_shuffle_f32x4(b, f, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// heads_attend's scores of 16 consecutive keys at once, one key per lane: kt holds the keys
 // transposed ([16 * C dims][16 keys], float32), qf the query row in float32. Lane j computes
-// exactly what head_attend computes for key j: the same products, the same pairwise tree over
+// exactly what heads_attend computes for key j: the same products, the same pairwise tree over
 // the C chunks, then hsum16's tree over the 16 dims of a chunk, then the scale.
 template <int C>
 inline __m512 scores16(const float* qf, const float* kt, float sc) {
@@ -121,28 +156,32 @@ inline __m512 scores16(const float* qf, const float* kt, float sc) {
 // Causal groups (prompt chunks and chains): row q_index[g][i] sees the first visible[g][i] keys of
 // gather[g]. Each group's keys are transposed once per KV head into blocks of 16, shared by every
 // row and query head that reads them, so a long prompt chunk costs a few instructions per key and
-// row instead of head_attend's per-key horizontal sum, with head_attend's bits.
+// row instead of heads_attend's per-key horizontal sum, with heads_attend's bits.
 template <int C, typename T>
 void attend_causal_impl(const T* qp, int64_t sq0, int64_t sq1, const T* kc, const T* vc, int64_t nkv, int64_t nh,
                         const int64_t* gp, int64_t groups, int64_t lmax, const int64_t* qi, const int64_t* vis,
                         int64_t qmax, int64_t rows, float sc, T* op, int64_t so0, int64_t so1) {
   constexpr int64_t d = 16 * C;
   const int64_t nblk = (lmax + 15) / 16, per_kv = nh / nkv, stride = nkv * d;
-  std::vector<float> kt(static_cast<size_t>(groups * nkv * nblk) * d * 16);
+  // Each (group, KV head)'s keys transposed, once for every row and query head that reads them.
+  // In the calling thread's scratch, kept between calls: every float read is written first, and a
+  // fresh allocation of this size costs page faults each layer.
+  const size_t block_floats = static_cast<size_t>(d) * 16, blocks = static_cast<size_t>(groups * nkv * nblk);
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < blocks * block_floats) scratch.resize(blocks * block_floats);
+  float* const kt = scratch.data();
   at::parallel_for(0, groups * nkv * nblk, 4, [&](int64_t b, int64_t e) {
     for (int64_t it = b; it < e; ++it) {
       const int64_t blk = it % nblk, g = it / nblk / nkv, kvh = it / nblk % nkv;
-      float* dst = kt.data() + it * d * 16;
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        const int64_t j = blk * 16 + jj;
-        if (j >= lmax) {
-          for (int64_t x = 0; x < d; ++x) dst[x * 16 + jj] = 0.f;
-          continue;
-        }
-        const T* kr = kc + gp[g * lmax + j] * stride + kvh * d;
-        float tmp[d];
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(tmp + 16 * c, load16(kr + 16 * c));
-        for (int64_t x = 0; x < d; ++x) dst[x * 16 + jj] = tmp[x];
+      float* dst = kt + it * block_floats;
+      const int64_t keys = std::min<int64_t>(16, lmax - blk * 16);
+      const T* kr[16];
+      for (int64_t jj = 0; jj < keys; ++jj) kr[jj] = kc + gp[g * lmax + blk * 16 + jj] * stride + kvh * d;
+      for (int c = 0; c < C; ++c) {
+        __m512 r[16];
+        for (int64_t jj = 0; jj < 16; ++jj) r[jj] = jj < keys ? load16(kr[jj] + 16 * c) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int x = 0; x < 16; ++x) _mm512_storeu_ps(dst + (16 * c + x) * 16, r[x]);
       }
     }
   });
@@ -156,7 +195,7 @@ void attend_causal_impl(const T* qp, int64_t sq0, int64_t sq1, const T* kc, cons
     std::vector<float> qf(kRows * per_kv * d);
     for (int64_t it = b; it < e; ++it) {
       const int64_t rb = it % rblk, kvh = it / rblk % nkv, g = it / rblk / nkv;
-      const float* ktg = kt.data() + (g * nkv + kvh) * nblk * d * 16;
+      const float* ktg = kt + (g * nkv + kvh) * nblk * d * 16;
       int64_t rowid[kRows], n[kRows], most = 0;
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t i = rb * kRows + r;
@@ -249,7 +288,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     const float sc = static_cast<float>(scale);
     // one work item = (group, query, head); items never share a sum
     at::parallel_for(0, groups * qmax * nh, 4, [&](int64_t b, int64_t e) {
-      std::vector<float> score(lmax);
+      constexpr int64_t kMaxHeads = 4;  // query heads of one KV head attended side by side
+      std::vector<float> score(kMaxHeads * lmax);
       std::vector<int64_t> key(lmax);
       std::vector<float> acc(d);
       for (int64_t it = b; it < e; ++it) {
@@ -263,10 +303,34 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         scalar_t* orow = op + row * so0 + hh * so1;
 #if defined(__AVX512F__)
         if (d == 64 || d == 128) {
+          // this item and the next ones of the same row and KV head in this range, at most kMaxHeads
+          const int64_t nhere = std::min({kMaxHeads, (kvh + 1) * per_kv - hh, e - it});
+          const scalar_t* qs[kMaxHeads];
+          scalar_t* os[kMaxHeads];
+          float* ss[kMaxHeads];
+          for (int64_t h = 0; h < nhere; ++h) {
+            qs[h] = qr + h * sq1;
+            os[h] = orow + h * so1;
+            ss[h] = score.data() + h * lmax;
+          }
           const scalar_t* kbase = kc + kvh * d;
           const scalar_t* vbase = vc + kvh * d;
-          (d == 64 ? head_attend<4, scalar_t> : head_attend<8, scalar_t>)(
-              qr, kbase, vbase, slots, m, lmax, nkv * d, sc, score.data(), key.data(), orow);
+          const int64_t stride = nkv * d;
+          auto run = [&](auto c_tag, auto nh_tag) {
+            heads_attend<decltype(c_tag)::value, decltype(nh_tag)::value, scalar_t>(
+                qs, kbase, vbase, slots, m, lmax, stride, sc, ss, key.data(), os);
+          };
+          auto by_heads = [&](auto c_tag) {
+            switch (nhere) {
+              case 1: run(c_tag, std::integral_constant<int, 1>{}); break;
+              case 2: run(c_tag, std::integral_constant<int, 2>{}); break;
+              case 3: run(c_tag, std::integral_constant<int, 3>{}); break;
+              default: run(c_tag, std::integral_constant<int, 4>{}); break;
+            }
+          };
+          if (d == 64) by_heads(std::integral_constant<int, 4>{});
+          else by_heads(std::integral_constant<int, 8>{});
+          it += nhere - 1;
           continue;
         }
 #endif

@@ -19,10 +19,11 @@
 namespace dspark::amx {
 // Up to this many rows a product takes VNNI, past it AMX-INT8 (measured on Sapphire Rapids: per
 // extra row, the tiles' per-group store and combine cost more than VNNI's dot products until about
-// 8 rows for int8 codes and 16 for int4 ones, whose codes VNNI widens once for every row; the
-// k-quant form's two half-group sums never pay on tiles). Either way a row gets the same bits.
+// 4 rows for int8 codes (the LM head and Q8_0 layers: 10-15% less at 6-8 rows on tiles) and 16
+// for int4 ones, whose codes VNNI widens once for every row; the k-quant form's two half-group
+// sums never pay on tiles). Either way a row gets the same bits.
 #ifdef DSPARK_AMX
-constexpr int64_t kVnniRows = 8;
+constexpr int64_t kVnniRows = 4;
 constexpr int64_t kVnniRowsInt4 = 16;
 #else
 constexpr int64_t kVnniRows = INT64_MAX;  // no tiles: VNNI for every row count

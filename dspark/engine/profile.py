@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 # Token counts profiled. Besides powers of two, each side of 4, 8 and 16 rows: torch's CPU int4
 # kernel works in blocks of 4 rows, so 5 rows cost what 8 do, and a straight line from 4 to 8
 # would price a chain of 4 drafts far too cheaply; our int4 and int8 kernels grow row by row on
-# VNNI and step where they move to AMX tiles (past 8 rows for int8 codes, 16 for int4).
+# VNNI and step where they move to AMX tiles (past 4 rows for int8 codes, 16 for int4).
 LADDER = [1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 32, 64, 128, 256]
 
 

@@ -99,17 +99,18 @@ def test_vnni_build_gives_the_tile_paths_bits(monkeypatch: pytest.MonkeyPatch) -
     """DSPARK_CPU_AMX=0 on an AMX CPU loads the build a CPU with VNNI alone gets (every row count on
     VNNI): int4 and int8-row products give every row the same bits as the tile build's."""
     qw = _int4(64, 128)
-    x = torch.randn(40, 128).bfloat16()
+    xs = [torch.randn(n, 128).bfloat16() for n in (9, 40)]  # the pipelined tile path (<= 16 rows) and past it
     codes, scale = quantize_q8_0(torch.randn(64, 128) * 0.05)
     tiles = cpu_ops.quant()
-    want = Int4Linear(qw, None, torch.bfloat16)(x), tiles.mm8(x, *tiles.pack8(codes, scale))
+    want = [(Int4Linear(qw, None, torch.bfloat16)(x), tiles.mm8(x, *tiles.pack8(codes, scale))) for x in xs]
     monkeypatch.setenv("DSPARK_CPU_AMX", "0")
     vnni = cpu_ops.quant()
     assert vnni is not tiles and cpu_ops.quant_kind() == "vnni"
     lin = Int4Linear(qw, None, torch.bfloat16)
     assert lin.amx is vnni
-    assert torch.equal(lin(x), want[0])
-    assert torch.equal(vnni.mm8(x, *vnni.pack8(codes, scale)), want[1])
+    for x, (int4, int8) in zip(xs, want):
+        assert torch.equal(lin(x), int4)
+        assert torch.equal(vnni.mm8(x, *vnni.pack8(codes, scale)), int8)
 
 
 

@@ -48,6 +48,8 @@ inline void configure(int rows, int a_bytes, int b_rows) {
   cfg.colsb[2] = 64; cfg.rows[2] = rows;
   cfg.colsb[3] = 64; cfg.rows[3] = b_rows;
   cfg.colsb[4] = 64; cfg.rows[4] = rows;
+  cfg.colsb[5] = 64; cfg.rows[5] = rows;  // tiles 5 and 6: a second C pair, for pipelined groups
+  cfg.colsb[6] = 64; cfg.rows[6] = rows;
   // GCC does not count ldtilecfg as reading cfg, and drops the stores above once configure is
   // compiled on its own; the barrier keeps them
   asm volatile("" : : "r"(&cfg) : "memory");

@@ -161,6 +161,41 @@ def test_controller_pauses_where_measured_steps_lose_whatever_the_policy_believe
     assert c.paused(2, 8, decodes=2)
 
 
+def test_a_measured_loss_on_few_drafting_steps_pauses_briefly_and_is_measured_again():
+    """The step of the very first drafter pass (start-up costs) is no measured rate; a loss
+    measured on fewer than MEASURED_FIRM drafting steps pauses drafting for at most
+    UNSURE_BACKOFF steps, each pause ending in a real drafting step, and only a firm one for up
+    to MAX_BACKOFF."""
+    class Hopeful(Policy):
+        last_gain = 1.5
+
+    c = VerifyLengthController(Hopeful(), SpecStats())
+    c.record_pass(1, 0.6)
+    c.observe_outcome(1, True, 1, 0.7)  # the first pass's step: 1 token in 0.7 s
+    assert (1, True) not in c.rates
+    for _ in range(c.MEASURED_MIN):  # drafting steps commit 10 tokens a second, plain steps 12.5
+        c.record_pass(1, 0.01)
+        c.observe_outcome(1, True, 1, 0.1)
+        c.observe_outcome(1, False, 1, 0.08)
+    assert c.measured_gain(1) == pytest.approx(0.8)
+    drafted, steps = 0, 0
+    while c.rates[1, True][1] < c.MEASURED_FIRM:
+        steps += 1
+        assert steps < c.MEASURED_FIRM * (c.UNSURE_BACKOFF + 2)
+        if c.paused(1, 8):
+            continue
+        c.record_pass(1, 0.01)  # a probe: still a loss
+        c.observe_outcome(1, True, 1, 0.1)
+        assert c.skip_steps <= c.UNSURE_BACKOFF and c.backoff <= c.UNSURE_BACKOFF
+        drafted += 1
+    assert drafted >= c.MEASURED_FIRM - c.MEASURED_MIN
+    c.record_pass(1, 0.01)  # firm now: the back-off may grow to MAX_BACKOFF
+    for _ in range(12):
+        if not c.paused(1, 8):
+            c.record_pass(1, 0.01)
+    assert c.backoff > c.UNSURE_BACKOFF
+
+
 def test_paused_steps_stop_verifying_looked_up_chains_where_they_measured_a_loss():
     c = VerifyLengthController(Policy(), SpecStats())
     assert c.lookups_pay(4)  # nothing measured: the policy's pricing decides

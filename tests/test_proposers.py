@@ -196,6 +196,29 @@ def test_a_measured_loss_on_few_drafting_steps_pauses_briefly_and_is_measured_ag
     assert c.backoff > c.UNSURE_BACKOFF
 
 
+def test_a_measured_loss_within_its_noise_does_not_override_the_belief():
+    """Drafting steps that commit 1 or 3 tokens (as they do) measured at a little under plain
+    decoding's rate: within one standard error of even, so drafting is not paused by it;
+    the same spread around a clear loss pauses drafting."""
+    class Hopeful(Policy):
+        last_gain = 1.5
+
+    def measured(tokens: list[int]) -> VerifyLengthController:
+        c = VerifyLengthController(Hopeful(), SpecStats())
+        c.record_pass(1, 0.6)  # start-up: its step is no rate
+        c.record_pass(1, 0.01)
+        for i in range(40):
+            c.observe_outcome(1, True, tokens[i % len(tokens)], 0.1)
+            c.observe_outcome(1, False, 1, 0.07 + 0.02 * (i % 2))
+        return c
+
+    noisy = measured([1, 2, 1, 1, 1])  # 12 tokens a second against plain's 12.7: a loss on
+    assert noisy.measured_gain(1) < 1.0 < noisy.measured_gain_bound(1)  # average, within its noise
+    assert noisy._judged(1.5, 1) >= 1.0  # no pause
+    clear = measured([1])  # 10 tokens a second: a loss beyond the spread of the plain steps
+    assert clear.measured_gain_bound(1) < 1.0 and clear._judged(1.5, 1) < 1.0
+
+
 def test_paused_steps_stop_verifying_looked_up_chains_where_they_measured_a_loss():
     c = VerifyLengthController(Policy(), SpecStats())
     assert c.lookups_pay(4)  # nothing measured: the policy's pricing decides

@@ -63,9 +63,9 @@ class VerifyLengthController:
         self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
         self.lost_at = 0  # drafting requests in the pass that last paused drafting
         self.expected: dict[tuple[int, int], float] = {}  # (requests, width) -> expected gain, until the next pass
-        # (decoding requests, kind) -> [EMA of committed tokens per second, steps]; kind: True (a
-        # drafter pass), False (plain: nothing verified past the anchor), "lookup" (a paused step
-        # that verified looked-up chains)
+        # (decoding requests, kind) -> [EMA of committed tokens per second, steps, EMA of its
+        # square]; kind: True (a drafter pass), False (plain: nothing verified past the anchor),
+        # "lookup" (a paused step that verified looked-up chains)
         self.rates: dict[tuple[int, bool | str], list[float]] = {}
         self.since_plain: dict[tuple[int, bool | str], int] = {}  # (requests, kind) -> its steps since a plain one
         self.lookup_skips: dict[int, int] = {}  # where lookups lose: paused steps since they were tried
@@ -99,7 +99,7 @@ class VerifyLengthController:
         """The longest pause at D decoding requests: MAX_BACKOFF, or UNSURE_BACKOFF while the
         measured loss that judges drafting there rests on fewer than MEASURED_FIRM drafting steps."""
         for d in sorted((d for d, k in self.rates if k is True and d <= D), reverse=True):
-            gain = self.measured_gain(d)
+            gain = self.measured_gain_bound(d)
             if gain is not None:  # the measurement _measured_or_lower_loss takes
                 unsure = gain < 1.0 and self.rates[d, True][1] < self.MEASURED_FIRM
                 return self.UNSURE_BACKOFF if unsure else self.MAX_BACKOFF
@@ -119,8 +119,10 @@ class VerifyLengthController:
         if D < 1 or not seconds > 0 or (kind is True and self.num_draft_passes <= 1):
             return  # (the step of the very first drafter pass: its start-up costs are no rate)
         rate = committed / seconds
-        old = self.rates.setdefault((D, kind), [rate, 0])
-        old[0] += max(self.RATE_EMA, 1.0 / (old[1] + 1)) * (rate - old[0])
+        old = self.rates.setdefault((D, kind), [rate, 0, rate * rate])
+        w = max(self.RATE_EMA, 1.0 / (old[1] + 1))
+        old[0] += w * (rate - old[0])
+        old[2] += w * (rate * rate - old[2])  # the square's average: how far single steps spread
         old[1] += 1
         if kind is False:
             self.since_plain[D, True] = self.since_plain[D, "lookup"] = 0
@@ -140,15 +142,28 @@ class VerifyLengthController:
             return None
         return steps[0] / plain[0]
 
+    def measured_gain_bound(self, D: int, kind: bool | str = True) -> float | None:
+        """measured_gain plus one standard error: single steps spread widely (a drafting step
+        commits 1 to 9 tokens), so a measured ratio a little under 1 is as likely noise as a loss,
+        and the loss that overrides the policy's belief is the one this bound still shows."""
+        gain = self.measured_gain(D, kind)
+        if gain is None:
+            return None
+        spread = 0.0
+        for mean, n, square in (self.rates[D, kind], self.rates[D, False]):
+            steps = min(n, (2 - self.RATE_EMA) / self.RATE_EMA)  # an EMA's effective sample count
+            spread += max(0.0, square - mean * mean) / (mean * mean * steps)
+        return gain * (1.0 + spread ** 0.5)
+
     def _measured_or_lower_loss(self, D: int, kind: bool | str) -> float | None:
-        """The gain measured at D, else a loss measured at the nearest fewer requests: drafting
-        (and verifying looked-up chains) pays less as requests add rows to the pass, and under
-        serving churn many loads never gather MEASURED_MIN steps of each kind."""
-        measured = self.measured_gain(D, kind)
+        """The gain measured at D (measured_gain_bound), else a loss measured at the nearest fewer
+        requests: drafting (and verifying looked-up chains) pays less as requests add rows to the
+        pass, and under serving churn many loads never gather MEASURED_MIN steps of each kind."""
+        measured = self.measured_gain_bound(D, kind)
         if measured is not None:
             return measured
         for d in sorted((d for d, k in self.rates if k == kind and d < D), reverse=True):
-            below = self.measured_gain(d, kind)
+            below = self.measured_gain_bound(d, kind)
             if below is not None:
                 return below if below < 1.0 else None
         return None

@@ -197,7 +197,7 @@ def test_a_measured_loss_on_few_drafting_steps_pauses_briefly_and_is_measured_ag
 
 
 def test_a_measured_loss_within_its_noise_does_not_override_the_belief():
-    """Drafting steps that commit 1 or 3 tokens (as they do) measured at a little under plain
+    """Drafting steps that commit 1 or 2 tokens (as they do) measured at a little under plain
     decoding's rate: within one standard error of even, so drafting is not paused by it;
     the same spread around a clear loss pauses drafting."""
     class Hopeful(Policy):

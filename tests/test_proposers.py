@@ -161,45 +161,23 @@ def test_controller_pauses_where_measured_steps_lose_whatever_the_policy_believe
     assert c.paused(2, 8, decodes=2)
 
 
-def test_a_measured_loss_on_few_drafting_steps_pauses_briefly_and_is_measured_again():
-    """The step of the very first drafter pass (start-up costs) is no measured rate; a loss
-    measured on fewer than MEASURED_FIRM drafting steps pauses drafting for at most
-    UNSURE_BACKOFF steps, each pause ending in a real drafting step, and only a firm one for up
-    to MAX_BACKOFF."""
-    class Hopeful(Policy):
-        last_gain = 1.5
-
-    c = VerifyLengthController(Hopeful(), SpecStats())
+def test_the_first_drafter_pass_step_is_no_measured_rate():
+    """The step of the very first drafter pass carries its start-up costs (kernel set-up,
+    first-touch pages; record_pass leaves that pass out of the pass time): it is not measured
+    either, or one such step among the first few would price drafting out for good."""
+    c = VerifyLengthController(Policy(), SpecStats())
     c.record_pass(1, 0.6)
-    c.observe_outcome(1, True, 1, 0.7)  # the first pass's step: 1 token in 0.7 s
+    c.observe_outcome(1, True, 1, 0.7)  # 1 token in 0.7 s
     assert (1, True) not in c.rates
-    for _ in range(c.MEASURED_MIN):  # drafting steps commit 10 tokens a second, plain steps 12.5
-        c.record_pass(1, 0.01)
-        c.observe_outcome(1, True, 1, 0.1)
-        c.observe_outcome(1, False, 1, 0.08)
-    assert c.measured_gain(1) == pytest.approx(0.8)
-    drafted, steps = 0, 0
-    while c.rates[1, True][1] < c.MEASURED_FIRM:
-        steps += 1
-        assert steps < c.MEASURED_FIRM * (c.UNSURE_BACKOFF + 2)
-        if c.paused(1, 8):
-            continue
-        c.record_pass(1, 0.01)  # a probe: still a loss
-        c.observe_outcome(1, True, 1, 0.1)
-        assert c.skip_steps <= c.UNSURE_BACKOFF and c.backoff <= c.UNSURE_BACKOFF
-        drafted += 1
-    assert drafted >= c.MEASURED_FIRM - c.MEASURED_MIN
-    c.record_pass(1, 0.01)  # firm now: the back-off may grow to MAX_BACKOFF
-    for _ in range(12):
-        if not c.paused(1, 8):
-            c.record_pass(1, 0.01)
-    assert c.backoff > c.UNSURE_BACKOFF
+    c.record_pass(1, 0.01)
+    c.observe_outcome(1, True, 2, 0.1)
+    assert c.rates[1, True][:2] == [pytest.approx(20.0), 1]
 
 
 def test_a_measured_loss_within_its_noise_does_not_override_the_belief():
     """Drafting steps that commit 1 or 2 tokens (as they do) measured at a little under plain
-    decoding's rate: within one standard error of even, so drafting is not paused by it;
-    the same spread around a clear loss pauses drafting."""
+    decoding's rate: within one standard error of even, so drafting is not paused by it; the
+    same spread around a clear loss pauses it."""
     class Hopeful(Policy):
         last_gain = 1.5
 
@@ -212,8 +190,8 @@ def test_a_measured_loss_within_its_noise_does_not_override_the_belief():
             c.observe_outcome(1, False, 1, 0.07 + 0.02 * (i % 2))
         return c
 
-    noisy = measured([1, 2, 1, 1, 1])  # 12 tokens a second against plain's 12.7: a loss on
-    assert noisy.measured_gain(1) < 1.0 < noisy.measured_gain_bound(1)  # average, within its noise
+    noisy = measured([1, 2, 1, 1, 1])  # 12 tokens a second against plain's 12.7
+    assert noisy.measured_gain(1) < 1.0 < noisy.measured_gain_bound(1)
     assert noisy._judged(1.5, 1) >= 1.0  # no pause
     clear = measured([1])  # 10 tokens a second: a loss beyond the spread of the plain steps
     assert clear.measured_gain_bound(1) < 1.0 and clear._judged(1.5, 1) < 1.0

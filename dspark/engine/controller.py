@@ -37,11 +37,6 @@ class VerifyLengthController:
     # steps of each kind at a load before their measured rates judge drafting there; the rates'
     # EMA weight; drafting steps between two plain steps taken to measure the plain rate again
     MEASURED_MIN, RATE_EMA, PLAIN_EVERY = 6, 0.1, 64
-    # drafting steps behind a measured loss before it counts as firm: until then a pause it causes
-    # ends in a real drafting step every UNSURE_BACKOFF steps, not every MAX_BACKOFF (a first
-    # drafted token survives about half the time, so a few unlucky steps early in a request can
-    # measure a loss that is not there, and a paused drafter gathers steps only when it probes)
-    MEASURED_FIRM, UNSURE_BACKOFF = 24, 32
     # where verifying looked-up chains on paused steps measured a loss, one paused step in this
     # many still verifies them, so that the measurement follows the traffic
     LOOKUP_RETRY = 32
@@ -86,24 +81,13 @@ class VerifyLengthController:
             self.skip_steps, self.gain = 0, 1.0
             return False
         self.skip_steps -= 1
-        cap = self._backoff_cap(D)
-        if self.skip_steps == 0 and self.backoff < cap and gain < 1.0:
+        if self.skip_steps == 0 and self.backoff < self.MAX_BACKOFF and gain < 1.0:
             # even the running acceptance rates say drafting loses at this load: pause again, twice
             # as long, without paying for a probe pass (a real probe at least every MAX_BACKOFF
             # steps keeps those rates current)
             self.skip_steps = self.backoff
-            self.backoff = min(2 * self.backoff, cap)
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
         return True
-
-    def _backoff_cap(self, D: int) -> int:
-        """The longest pause at D decoding requests: MAX_BACKOFF, or UNSURE_BACKOFF while the
-        measured loss that judges drafting there rests on fewer than MEASURED_FIRM drafting steps."""
-        for d in sorted((d for d, k in self.rates if k is True and d <= D), reverse=True):
-            gain = self.measured_gain_bound(d)
-            if gain is not None:  # the measurement _measured_or_lower_loss takes
-                unsure = gain < 1.0 and self.rates[d, True][1] < self.MEASURED_FIRM
-                return self.UNSURE_BACKOFF if unsure else self.MAX_BACKOFF
-        return self.MAX_BACKOFF
 
     def _plain_due(self, D: int, kind: bool | str) -> bool:
         """A plain step to measure (again) what steps without `kind`'s extra work commit at D
@@ -144,8 +128,10 @@ class VerifyLengthController:
 
     def measured_gain_bound(self, D: int, kind: bool | str = True) -> float | None:
         """measured_gain plus one standard error: single steps spread widely (a drafting step
-        commits 1 to 9 tokens), so a measured ratio a little under 1 is as likely noise as a loss,
-        and the loss that overrides the policy's belief is the one this bound still shows."""
+        commits 1 to 9 tokens) and the rates are running averages of a few dozen steps, so a
+        ratio a little under 1 is as likely noise as a loss (and a long pause on noise costs a
+        drafter that pays its whole gain); the loss that overrides the policy's belief is the one
+        this bound still shows."""
         gain = self.measured_gain(D, kind)
         if gain is None:
             return None
@@ -222,9 +208,8 @@ class VerifyLengthController:
             return
         self.gain += self.GAIN_EMA * (self._judged(gain, decodes or R) - self.gain)
         if self.gain < 1.0:
-            cap = self._backoff_cap(decodes or R)
-            self.skip_steps, self.lost_at = min(self.backoff, cap), R
-            self.backoff = min(2 * self.backoff, cap)
+            self.skip_steps, self.lost_at = self.backoff, R
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
         else:
             self.backoff = self.MIN_BACKOFF
 

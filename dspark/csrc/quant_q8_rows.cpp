@@ -12,6 +12,74 @@
 
 namespace dspark::amx {
 
+#ifdef DSPARK_AMX
+// mm_q8_rows past kVnniRows rows (not the split form) on tiles, a block of up to 16 rows at a
+// time, pipelined over groups: at step s group s's tile products run into one C pair while group
+// s - 1's, in the other, are stored and group s - 2's combined into the rows' outputs, so no
+// vector load waits on a tile store just made and the tile unit is not idle while the rows are
+// combined. Groups combine in order, so a row gets VNNI's bits.
+void mm_q8_tiles(const QuantizedRows& qr, int64_t rows, int64_t k, const uint8_t* wp, const uint16_t* dmp,
+                 c10::BFloat16* yp, int64_t n, int64_t pairs) {
+  const int64_t g = k / kGroup, tile_bytes = 2 * kTileBytes;
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<__m512> acc(rows * 2);
+    alignas(64) int32_t ctile[2][2][16 * 16];  // [group parity][column tile]
+    configure(static_cast<int>(std::min<int64_t>(rows, 16)), kGroup, 8);
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      const int64_t t = 2 * pr;
+      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+      const uint8_t* wt[2] = {wp + t * g * tile_bytes, wp + (t + 1) * g * tile_bytes};
+      const uint16_t* dm[2] = {dmp + t * g * kCols, dmp + (t + 1) * g * kCols};
+      // past 16 rows quantize_batch pads the rows to whole tiles with zeros
+      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        for (int64_t st = 0; st < g + 2; ++st) {
+          if (st < g) {
+            prefetch(wt[0] + (st + kAhead) * tile_bytes, tile_bytes);
+            prefetch(wt[1] + (st + kAhead) * tile_bytes, tile_bytes);
+            _tile_loadd(1, wt[0] + st * tile_bytes, 64);  // the packed layout is the B tile itself
+            _tile_loadd(3, wt[1] + st * tile_bytes, 64);
+            _tile_loadd(0, qr.xq + r0 * k + st * kGroup, k);
+            if (st & 1) {
+              _tile_zero(5);
+              _tile_zero(6);
+              _tile_dpbssd(5, 0, 1);
+              _tile_dpbssd(6, 0, 3);
+            } else {
+              _tile_zero(2);
+              _tile_zero(4);
+              _tile_dpbssd(2, 0, 1);
+              _tile_dpbssd(4, 0, 3);
+            }
+          }
+          if (st >= 1 && st <= g) {
+            if ((st - 1) & 1) {
+              _tile_stored(5, ctile[1][0], 64);
+              _tile_stored(6, ctile[1][1], 64);
+            } else {
+              _tile_stored(2, ctile[0][0], 64);
+              _tile_stored(4, ctile[0][1], 64);
+            }
+          }
+          if (st >= 2) {
+            const int64_t gi = st - 2;
+            const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
+            for (int64_t i = 0, mr = std::min<int64_t>(16, rows - r0); i < mr; ++i) {
+              const int64_t r = r0 + i;
+              const __m512 d = _mm512_set1_ps(qr.dx[r * g + gi]);
+              for (int j = 0; j < 2; ++j)
+                acc[2 * r + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ctile[gi & 1][j] + 16 * i)),
+                                                 _mm512_mul_ps(dv[j], d), acc[2 * r + j]);
+            }
+          }
+        }
+      }
+      store_rows(acc, rows, yp, n, t);
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // int8 weights (Q8_0) times int8 rows (each row quantized per group of 32 as for int4), for the
 // LM head and drafters. The bf16 path expands every code to bf16 on each call and is bound by
 // that, not by memory, up to the whole head at one row; here the codes go to the units as they
@@ -23,69 +91,6 @@ namespace dspark::amx {
 // (vectors 0-3 and 4-7) are summed apart and take their own scales, then the group's offset
 // m * (dx * sum xq), as the int4 kernel's: acc += S_lo * (d_lo * dx); acc += S_hi * (d_hi * dx);
 // acc += m * cx. Always on VNNI (amx_tiles.h says why).
-#ifdef DSPARK_AMX
-// mm_q8_rows on tiles for up to 16 rows (not the split form), pipelined over groups: at step s
-// group s's tile products run into one C pair while group s - 1's, in the other, are stored and
-// group s - 2's combined into the rows' outputs, so no vector load waits on a tile store just made
-// and the tile unit is not idle while the rows are combined. Groups combine in order, as mm_q8_rows.
-void mm_q8_tiles(const QuantizedRows& qr, int64_t rows, int64_t k, const uint8_t* wp, const uint16_t* dmp,
-                 c10::BFloat16* yp, int64_t n, int64_t pairs) {
-  const int64_t g = k / kGroup, tile_bytes = 2 * kTileBytes;
-  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<__m512> acc(rows * 2);
-    alignas(64) int32_t ctile[2][2][16 * 16];  // [group parity][column tile]
-    configure(static_cast<int>(rows), kGroup, 8);
-    for (int64_t pr = p0; pr < p1; ++pr) {
-      const int64_t t = 2 * pr;
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      const uint8_t* wt[2] = {wp + t * g * tile_bytes, wp + (t + 1) * g * tile_bytes};
-      const uint16_t* dm[2] = {dmp + t * g * kCols, dmp + (t + 1) * g * kCols};
-      for (int64_t st = 0; st < g + 2; ++st) {
-        if (st < g) {
-          prefetch(wt[0] + (st + kAhead) * tile_bytes, tile_bytes);
-          prefetch(wt[1] + (st + kAhead) * tile_bytes, tile_bytes);
-          _tile_loadd(1, wt[0] + st * tile_bytes, 64);  // the packed layout is the B tile itself
-          _tile_loadd(3, wt[1] + st * tile_bytes, 64);
-          _tile_loadd(0, qr.xq + st * kGroup, k);
-          if (st & 1) {
-            _tile_zero(5);
-            _tile_zero(6);
-            _tile_dpbssd(5, 0, 1);
-            _tile_dpbssd(6, 0, 3);
-          } else {
-            _tile_zero(2);
-            _tile_zero(4);
-            _tile_dpbssd(2, 0, 1);
-            _tile_dpbssd(4, 0, 3);
-          }
-        }
-        if (st >= 1 && st <= g) {
-          if ((st - 1) & 1) {
-            _tile_stored(5, ctile[1][0], 64);
-            _tile_stored(6, ctile[1][1], 64);
-          } else {
-            _tile_stored(2, ctile[0][0], 64);
-            _tile_stored(4, ctile[0][1], 64);
-          }
-        }
-        if (st >= 2) {
-          const int64_t gi = st - 2;
-          const __m512 dv[2] = {half16(dm[0] + gi * kCols), half16(dm[1] + gi * kCols)};
-          for (int64_t r = 0; r < rows; ++r) {
-            const __m512 d = _mm512_set1_ps(qr.dx[r * g + gi]);
-            for (int j = 0; j < 2; ++j)
-              acc[2 * r + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ctile[gi & 1][j] + 16 * r)),
-                                               _mm512_mul_ps(dv[j], d), acc[2 * r + j]);
-          }
-        }
-      }
-      store_rows(acc, rows, yp, n, t);
-    }
-    _tile_release();
-  });
-}
-#endif
-
 template <bool kSplit>
 void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint16_t* dmp, const int16_t* wsp,
                 c10::BFloat16* yp, int64_t n, int64_t pairs) {
@@ -94,16 +99,13 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
   const bool vnni = kSplit || rows <= kVnniRows;  // the split form: VNNI at any row count (amx_tiles.h)
   const QuantizedRows qr = quantize_batch(x, rows, vnni);
 #ifdef DSPARK_AMX
-  if (!kSplit && !vnni && rows <= 16) return mm_q8_tiles(qr, rows, k, wp, dmp, yp, n, pairs);
+  if (!vnni) return mm_q8_tiles(qr, rows, k, wp, dmp, yp, n, pairs);
 #endif
   const int8_t* xqp = qr.xq;
   const float *dxp = qr.dx, *cxp = qr.cx;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     std::vector<__m512> acc(rows * 2);
     __m512i w[2][8];
-#ifdef DSPARK_AMX
-    if (!vnni) configure(static_cast<int>(std::min<int64_t>(rows, 16)), kGroup, 8);
-#endif
     for (int64_t pr = p0; pr < p1; ++pr) {
       const int64_t t = 2 * pr;
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
@@ -132,59 +134,36 @@ void mm_q8_rows(const at::Tensor& x, int64_t rows, const uint8_t* wp, const uint
           }
           acc[2 * r + j] = a;
         };
-        if (vnni) {
-          __m512i off[2][2];
+        __m512i off[2][2];
+        for (int j = 0; j < 2; ++j) {
+          for (int q = 0; q < 8; ++q) w[j][q] = _mm512_loadu_si512(wt[j] + gi * tile_bytes + 64 * q);
+          for (int h = 0; h < (kSplit ? 2 : 1); ++h)
+            off[j][h] = _mm512_slli_epi32(
+                _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws[j] + gi * kSums + h * kCols))), 7);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int8_t* xr = xqp + r * k + gi * kGroup;
+          __m512i s[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()},
+                             {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+          for (int q = 0; q < 8; ++q) {  // two chains per column tile: even and odd quads, or the halves
+            uint32_t quad;
+            std::memcpy(&quad, xr + 4 * q, 4);
+            const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(quad ^ 0x80808080u));  // xq + 128
+            const int c = kSplit ? q / 4 : q & 1;
+            s[0][c] = _mm512_dpbusd_epi32(s[0][c], xv, w[0][q]);
+            s[1][c] = _mm512_dpbusd_epi32(s[1][c], xv, w[1][q]);
+          }
           for (int j = 0; j < 2; ++j) {
-            for (int q = 0; q < 8; ++q) w[j][q] = _mm512_loadu_si512(wt[j] + gi * tile_bytes + 64 * q);
-            for (int h = 0; h < (kSplit ? 2 : 1); ++h)
-              off[j][h] = _mm512_slli_epi32(
-                  _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws[j] + gi * kSums + h * kCols))), 7);
-          }
-          for (int64_t r = 0; r < rows; ++r) {
-            const int8_t* xr = xqp + r * k + gi * kGroup;
-            __m512i s[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()},
-                               {_mm512_setzero_si512(), _mm512_setzero_si512()}};
-            for (int q = 0; q < 8; ++q) {  // two chains per column tile: even and odd quads, or the halves
-              uint32_t quad;
-              std::memcpy(&quad, xr + 4 * q, 4);
-              const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(quad ^ 0x80808080u));  // xq + 128
-              const int c = kSplit ? q / 4 : q & 1;
-              s[0][c] = _mm512_dpbusd_epi32(s[0][c], xv, w[0][q]);
-              s[1][c] = _mm512_dpbusd_epi32(s[1][c], xv, w[1][q]);
-            }
-            for (int j = 0; j < 2; ++j) {
-              if (kSplit) {
-                combine(r, j, _mm512_sub_epi32(s[j][0], off[j][0]), _mm512_sub_epi32(s[j][1], off[j][1]));
-              } else {
-                combine(r, j, _mm512_sub_epi32(_mm512_add_epi32(s[j][0], s[j][1]), off[j][0]), s[j][1]);
-              }
+            if (kSplit) {
+              combine(r, j, _mm512_sub_epi32(s[j][0], off[j][0]), _mm512_sub_epi32(s[j][1], off[j][1]));
+            } else {
+              combine(r, j, _mm512_sub_epi32(_mm512_add_epi32(s[j][0], s[j][1]), off[j][0]), s[j][1]);
             }
           }
-          continue;
         }
-#ifdef DSPARK_AMX  // more than 16 rows (mm_q8_tiles takes up to 16)
-        alignas(64) int32_t ctile[2][16 * 16];
-        _tile_loadd(1, wt[0] + gi * tile_bytes, 64);  // the packed layout is the B tile itself
-        _tile_loadd(3, wt[1] + gi * tile_bytes, 64);
-        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-          _tile_loadd(0, xqp + r0 * k + gi * kGroup, k);
-          _tile_zero(2);
-          _tile_zero(4);
-          _tile_dpbssd(2, 0, 1);
-          _tile_dpbssd(4, 0, 3);
-          _tile_stored(2, ctile[0], 64);
-          _tile_stored(4, ctile[1], 64);
-          const int64_t mr = std::min<int64_t>(16, rows - r0);
-          for (int64_t i = 0; i < mr; ++i)
-            for (int j = 0; j < 2; ++j) combine(r0 + i, j, _mm512_load_si512(ctile[j] + 16 * i), _mm512_setzero_si512());
-        }
-#endif
       }
       store_rows(acc, rows, yp, n, t);
     }
-#ifdef DSPARK_AMX
-    if (!vnni) _tile_release();
-#endif
   });
 }
 

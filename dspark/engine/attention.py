@@ -60,6 +60,12 @@ class _Group:
         return self.short or (self.visible is not None and head_dim in (64, 128) and hasattr(ops, "attend_causal"))
 
     @property
+    def kernel_mask(self) -> torch.Tensor:
+        """What a fused kernel takes for this group's keys: ``row_mask`` (``attend``, a short
+        group) or ``visible`` (``attend_causal``, the decoder stack's 2-D third tensor)."""
+        return self.row_mask if self.short else self.visible
+
+    @property
     def mask(self) -> torch.Tensor | None:
         """SDPA's mask [S, 1, Qmax, Lmax] (one for every head), or None when it runs unmasked."""
         return self.row_mask[:, None] if self.sdpa_masked else None
@@ -171,10 +177,8 @@ class TorchAttention:
         out = q.new_empty(N, H, D) if len(self.groups) > 1 or fused else None
         for g in self.groups:
             if fused and g.fused(ops, D):
-                if g.short:
-                    ops.attend(q, k_cache, v_cache, g.gather, g.q_index, g.row_mask, scale, out)
-                else:
-                    ops.attend_causal(q, k_cache, v_cache, g.gather, g.q_index, g.visible, scale, out)
+                kernel = ops.attend if g.short else ops.attend_causal
+                kernel(q, k_cache, v_cache, g.gather, g.q_index, g.kernel_mask, scale, out)
                 continue
             if qz is None and not g.dense:
                 qz = torch.cat([q, q.new_zeros(1, H, D)])

@@ -46,7 +46,7 @@ def decoder_forward(model, ops, h: torch.Tensor, positions: torch.Tensor, attn, 
     plan = stack_plan(model, ops)
     if plan is not None and (rows is None or plan.prompt_kernel is not None) \
             and all(g.fused(ops, plan.shape[2]) for g in attn.groups):
-        groups = [t for g in attn.groups for t in (g.gather, g.q_index, g.row_mask if g.short else g.visible)]
+        groups = [t for g in attn.groups for t in (g.gather, g.q_index, g.kernel_mask)]
         prompt = _NO_ROWS if rows is None else rows.prefill
         rest = _NO_ROWS if rows is None or rows.rest is None else rows.rest
         out = ops.decode_stack(h, plan.weights, kv.k, kv.v, cos, sin, attn.slot_mapping, groups, plan.shape,

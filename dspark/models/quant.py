@@ -197,9 +197,8 @@ class _WeightOnly(nn.Module):
     def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         # a decode step's 2-D rows go through untouched: a few small ops per call add up over 120 layers
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        prompt = None
-        if rows is not None:
-            prompt = self.prefill or (self._prompt if self._prompt_args() is not None else None)
+        path = "decode" if rows is None else self.prompt_path()
+        prompt = self.prefill if path == "dense" else self._prompt if path == "prompt" else None
         if prompt is None:
             y = self._quantized(x2)
         else:

@@ -197,6 +197,42 @@ def test_a_measured_loss_within_its_noise_does_not_override_the_belief():
     assert clear.measured_gain_bound(1) < 1.0 and clear._judged(1.5, 1) < 1.0
 
 
+def test_a_probe_measures_an_unsure_loss_again_before_it_pauses_drafting_again():
+    """A loss beyond one standard error but within two pauses drafting; at the probe after the
+    pause (the policy still expecting a gain) that loss is measured again from fresh drafting
+    steps, which here pay, so drafting goes on. A loss beyond two errors pauses again at once."""
+    class Hopeful(Policy):
+        last_gain = 1.5
+
+    def paused_by(seconds: float) -> VerifyLengthController:
+        c = VerifyLengthController(Hopeful(), SpecStats())
+        c.record_pass(1, 0.6)  # start-up: its step is no rate
+        c.record_pass(1, 0.01)
+        for i in range(40):  # drafting steps of 1, 1, 2, 1, 1 tokens; plain ones of 0.07-0.09 s
+            c.observe_outcome(1, True, [1, 1, 2, 1, 1][i % 5], seconds)
+            c.observe_outcome(1, False, 1, 0.07 + 0.02 * (i % 2))
+        while c.skip_steps == 0:
+            c.record_pass(1, 0.01)
+        while c.paused():  # the pause runs out (the policy expects a gain: no extension)
+            c.observe_outcome(1, False, 1, 0.08)
+        return c
+
+    unsure = paused_by(0.105)
+    assert unsure.measured_gain_bound(1) < 1.0 <= unsure.measured_gain_bound(1, errors=2.0)
+    unsure.record_pass(1, 0.01)  # the probe
+    assert unsure.skip_steps == 0 and unsure.measured_gain(1) is None  # measured again first
+    for _ in range(unsure.MEASURED_MIN):  # fresh drafting steps: 3 tokens in 0.1 s
+        assert not unsure.paused()
+        unsure.observe_outcome(1, True, 3, 0.1)
+        unsure.record_pass(1, 0.01)
+    assert unsure.measured_gain(1) > 1.0 and unsure.skip_steps == 0 and not unsure.paused()
+
+    clear = paused_by(0.14)
+    assert clear.measured_gain_bound(1, errors=2.0) < 1.0
+    clear.record_pass(1, 0.01)  # the probe: the loss stands, drafting pauses again
+    assert clear.skip_steps > 0 and clear.measured_gain(1) is not None
+
+
 def test_paused_steps_stop_verifying_looked_up_chains_where_they_measured_a_loss():
     c = VerifyLengthController(Policy(), SpecStats())
     assert c.lookups_pay(4)  # nothing measured: the policy's pricing decides

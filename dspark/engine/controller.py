@@ -57,6 +57,7 @@ class VerifyLengthController:
         self.num_draft_passes = 0
         self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
         self.lost_at = 0  # drafting requests in the pass that last paused drafting
+        self.resumed = False  # a pause just ended: the next pass is a probe
         self.expected: dict[tuple[int, int], float] = {}  # (requests, width) -> expected gain, until the next pass
         # (decoding requests, kind) -> [EMA of committed tokens per second, steps, EMA of its
         # square]; kind: True (a drafter pass), False (plain: nothing verified past the anchor),
@@ -78,7 +79,7 @@ class VerifyLengthController:
             # that average was another load's: try again now, keeping the back-off (under serving
             # churn the load dips below lost_at every few steps, and each dip resetting it made
             # the drafter probe, context catch-up included, every few dozen steps)
-            self.skip_steps, self.gain = 0, 1.0
+            self.skip_steps, self.gain, self.resumed = 0, 1.0, True
             return False
         self.skip_steps -= 1
         if self.skip_steps == 0 and self.backoff < self.MAX_BACKOFF and gain < 1.0:
@@ -87,6 +88,7 @@ class VerifyLengthController:
             # steps keeps those rates current)
             self.skip_steps = self.backoff
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+        self.resumed = self.skip_steps == 0
         return True
 
     def _plain_due(self, D: int, kind: bool | str) -> bool:
@@ -126,12 +128,12 @@ class VerifyLengthController:
             return None
         return steps[0] / plain[0]
 
-    def measured_gain_bound(self, D: int, kind: bool | str = True) -> float | None:
-        """measured_gain plus one standard error: single steps spread widely (a drafting step
+    def measured_gain_bound(self, D: int, kind: bool | str = True, errors: float = 1.0) -> float | None:
+        """measured_gain plus `errors` standard errors: single steps spread widely (a drafting step
         commits 1 to 9 tokens) and the rates are running averages of a few dozen steps, so a
         ratio a little under 1 is as likely noise as a loss (and a long pause on noise costs a
         drafter that pays its whole gain); the loss that overrides the policy's belief is the one
-        this bound still shows."""
+        the one-error bound still shows."""
         gain = self.measured_gain(D, kind)
         if gain is None:
             return None
@@ -139,7 +141,7 @@ class VerifyLengthController:
         for mean, n, square in (self.rates[D, kind], self.rates[D, False]):
             steps = min(n, (2 - self.RATE_EMA) / self.RATE_EMA)  # an EMA's effective sample count
             spread += max(0.0, square - mean * mean) / (mean * mean * steps)
-        return gain * (1.0 + spread ** 0.5)
+        return gain * (1.0 + errors * spread ** 0.5)
 
     def _measured_or_lower_loss(self, D: int, kind: bool | str) -> float | None:
         """The gain measured at D (measured_gain_bound), else a loss measured at the nearest fewer
@@ -206,12 +208,32 @@ class VerifyLengthController:
         gain = getattr(self.policy, "last_gain", None)
         if gain is None or not priced:
             return
+        if self.resumed:
+            self.resumed = False
+            if self._remeasure_unsure_loss(decodes or R, gain):
+                self.gain = max(self.gain, 1.0)  # the fresh steps judge, not the running gain they led to
         self.gain += self.GAIN_EMA * (self._judged(gain, decodes or R) - self.gain)
         if self.gain < 1.0:
             self.skip_steps, self.lost_at = self.backoff, R
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
         else:
             self.backoff = self.MIN_BACKOFF
+
+    def _remeasure_unsure_loss(self, D: int, belief: float) -> bool:
+        """At a probe (the first pass after a pause) that the policy expects to pay, a measured
+        loss at D within two standard errors of even is measured again before it judges: its
+        drafting rate keeps its mean at the weight of one step, so the probe's next MEASURED_MIN
+        drafting steps decide (the running gain, lowered by that loss, is lifted to even, so the
+        drafter runs them). The rate is otherwise refreshed only by the one step of each probe
+        at RATE_EMA's weight while the plain rate stays current, so a loss that a few unlucky steps
+        (or the machine's drift between the two) put there would keep drafting paused through
+        every probe; a loss beyond two errors pauses again at once, as before."""
+        entry = self.rates.get((D, True))
+        bound = self.measured_gain_bound(D, True, errors=2.0)
+        if belief < 1.0 or entry is None or bound is None or bound < 1.0:
+            return False
+        entry[1] = 1
+        return True
 
     def choose(self, drafts: list[Draft], budgets: list[int], other_tokens: int,
                draft_seconds: float) -> list[Proposal]:

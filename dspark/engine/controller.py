@@ -220,14 +220,14 @@ class VerifyLengthController:
             self.backoff = self.MIN_BACKOFF
 
     def _remeasure_unsure_loss(self, D: int, belief: float) -> bool:
-        """At a probe (the first pass after a pause) that the policy expects to pay, a measured
-        loss at D within two standard errors of even is measured again before it judges: its
-        drafting rate keeps its mean at the weight of one step, so the probe's next MEASURED_MIN
-        drafting steps decide (the running gain, lowered by that loss, is lifted to even, so the
-        drafter runs them). The rate is otherwise refreshed only by the one step of each probe
-        at RATE_EMA's weight while the plain rate stays current, so a loss that a few unlucky steps
-        (or the machine's drift between the two) put there would keep drafting paused through
-        every probe; a loss beyond two errors pauses again at once, as before."""
+        """At a probe (the first pass after a pause) that the policy expects to pay, the drafting
+        rate measured at D is measured again unless it shows a loss beyond two standard errors:
+        it keeps its mean at the weight of one step, so the probe's next MEASURED_MIN drafting
+        steps decide, and the caller lifts the running gain to even so that the drafter runs them.
+        Otherwise the rate moves only by the one step of each probe, at RATE_EMA's weight, while
+        the plain rate stays current: a loss that a few unlucky steps (or the machine's drift
+        between the two) put there kept drafting paused through every probe. A loss beyond two
+        errors pauses again at once, as before. True when the rate is to be measured again."""
         entry = self.rates.get((D, True))
         bound = self.measured_gain_bound(D, True, errors=2.0)
         if belief < 1.0 or entry is None or bound is None or bound < 1.0:

@@ -124,11 +124,25 @@ def test_controller_backs_off_while_drafting_loses_and_recovers():
     assert c.estimated_draft_seconds(2) == pytest.approx(2 * c.draft_seconds[1])
 
 
-def test_controller_pauses_where_measured_steps_lose_whatever_the_policy_believes():
-    class Hopeful(Policy):  # the policy's belief: drafting always pays
-        last_gain = 1.5
+class _Hopeful(Policy):
+    """The policy's belief: drafting always pays."""
+    last_gain = 1.5
 
-    c = VerifyLengthController(Hopeful(), SpecStats())
+
+def _measured(tokens: list[int], seconds: float) -> VerifyLengthController:
+    """A controller past its start-up pass that measured 40 drafting steps, each committing the
+    next of `tokens` in `seconds`, and 40 plain ones of 0.07-0.09 s."""
+    c = VerifyLengthController(_Hopeful(), SpecStats())
+    c.record_pass(1, 0.6)  # start-up: its step is no rate
+    c.record_pass(1, 0.01)
+    for i in range(40):
+        c.observe_outcome(1, True, tokens[i % len(tokens)], seconds)
+        c.observe_outcome(1, False, 1, 0.07 + 0.02 * (i % 2))
+    return c
+
+
+def test_controller_pauses_where_measured_steps_lose_whatever_the_policy_believes():
+    c = VerifyLengthController(_Hopeful(), SpecStats())
     for _ in range(3):
         c.record_pass(4, 0.01, decodes=4)
     assert c.skip_steps == 0 and c.gain > 1
@@ -178,22 +192,10 @@ def test_a_measured_loss_within_its_noise_does_not_override_the_belief():
     """Drafting steps that commit 1 or 2 tokens (as they do) measured at a little under plain
     decoding's rate: within one standard error of even, so drafting is not paused by it; the
     same spread around a clear loss pauses it."""
-    class Hopeful(Policy):
-        last_gain = 1.5
-
-    def measured(tokens: list[int]) -> VerifyLengthController:
-        c = VerifyLengthController(Hopeful(), SpecStats())
-        c.record_pass(1, 0.6)  # start-up: its step is no rate
-        c.record_pass(1, 0.01)
-        for i in range(40):
-            c.observe_outcome(1, True, tokens[i % len(tokens)], 0.1)
-            c.observe_outcome(1, False, 1, 0.07 + 0.02 * (i % 2))
-        return c
-
-    noisy = measured([1, 2, 1, 1, 1])  # 12 tokens a second against plain's 12.7
+    noisy = _measured([1, 2, 1, 1, 1], 0.1)  # 12 tokens a second against plain's 12.7
     assert noisy.measured_gain(1) < 1.0 < noisy.measured_gain_bound(1)
     assert noisy._judged(1.5, 1) >= 1.0  # no pause
-    clear = measured([1])  # 10 tokens a second: a loss beyond the spread of the plain steps
+    clear = _measured([1], 0.1)  # 10 tokens a second: a loss beyond the spread of the plain steps
     assert clear.measured_gain_bound(1) < 1.0 and clear._judged(1.5, 1) < 1.0
 
 
@@ -201,16 +203,8 @@ def test_a_probe_measures_an_unsure_loss_again_before_it_pauses_drafting_again()
     """A loss beyond one standard error but within two pauses drafting; at the probe after the
     pause (the policy still expecting a gain) that loss is measured again from fresh drafting
     steps, which here pay, so drafting goes on. A loss beyond two errors pauses again at once."""
-    class Hopeful(Policy):
-        last_gain = 1.5
-
     def paused_by(seconds: float) -> VerifyLengthController:
-        c = VerifyLengthController(Hopeful(), SpecStats())
-        c.record_pass(1, 0.6)  # start-up: its step is no rate
-        c.record_pass(1, 0.01)
-        for i in range(40):  # drafting steps of 1, 1, 2, 1, 1 tokens; plain ones of 0.07-0.09 s
-            c.observe_outcome(1, True, [1, 1, 2, 1, 1][i % 5], seconds)
-            c.observe_outcome(1, False, 1, 0.07 + 0.02 * (i % 2))
+        c = _measured([1, 1, 2, 1, 1], seconds)
         while c.skip_steps == 0:
             c.record_pass(1, 0.01)
         while c.paused():  # the pause runs out (the policy expects a gain: no extension)

@@ -91,6 +91,12 @@ class VerifyLengthController:
         self.resumed = self.skip_steps == 0
         return True
 
+    @property
+    def starting(self) -> bool:
+        """Only the first drafter pass has run: one-time start-up costs (kernel set-up, first-touch
+        pages) make it and its step several times slower than the rest, so neither is measured."""
+        return self.num_draft_passes <= 1
+
     def _plain_due(self, D: int, kind: bool | str) -> bool:
         """A plain step to measure (again) what steps without `kind`'s extra work commit at D
         requests, once that kind has MEASURED_MIN steps there."""
@@ -102,7 +108,7 @@ class VerifyLengthController:
     def observe_outcome(self, D: int, kind: bool | str, committed: int, seconds: float) -> None:
         """A decode-only step of D requests committed `committed` tokens in `seconds`; kind: True
         (its drafter pass included), False (plain) or "lookup" (see ``rates``)."""
-        if D < 1 or not seconds > 0 or (kind is True and self.num_draft_passes <= 1):
+        if D < 1 or not seconds > 0 or (kind is True and self.starting):
             return  # (the step of the very first drafter pass: its start-up costs are no rate)
         rate = committed / seconds
         old = self.rates.setdefault((D, kind), [rate, 0, rate * rate])
@@ -196,10 +202,9 @@ class VerifyLengthController:
         drafting while it loses, by the policy's belief or by what drafting steps measured."""
         self.num_draft_passes += 1
         self.expected.clear()
-        if self.num_draft_passes == 1:
-            # one-time start-up costs (kernel set-up, first-touch pages) can make the very first
-            # pass several times slower than the rest; averaged in, they would price the drafter
-            # out for many passes, and a paused drafter measures too rarely to recover
+        if self.starting:
+            # averaged in, the first pass's start-up costs would price the drafter out for many
+            # passes, and a paused drafter measures too rarely to recover
             return
         priced = bool(self.draft_seconds)  # the first priced choice took the drafter to be free
         old = self.draft_seconds.get(R, seconds)
@@ -210,8 +215,7 @@ class VerifyLengthController:
             return
         if self.resumed:
             self.resumed = False
-            if self._remeasure_unsure_loss(decodes or R, gain):
-                self.gain = max(self.gain, 1.0)  # the fresh steps judge, not the running gain they led to
+            self._remeasure_unsure_loss(decodes or R, gain)
         self.gain += self.GAIN_EMA * (self._judged(gain, decodes or R) - self.gain)
         if self.gain < 1.0:
             self.skip_steps, self.lost_at = self.backoff, R
@@ -219,21 +223,20 @@ class VerifyLengthController:
         else:
             self.backoff = self.MIN_BACKOFF
 
-    def _remeasure_unsure_loss(self, D: int, belief: float) -> bool:
+    def _remeasure_unsure_loss(self, D: int, belief: float) -> None:
         """At a probe (the first pass after a pause) that the policy expects to pay, the drafting
         rate measured at D is measured again unless it shows a loss beyond two standard errors:
         it keeps its mean at the weight of one step, so the probe's next MEASURED_MIN drafting
-        steps decide, and the caller lifts the running gain to even so that the drafter runs them.
+        steps decide, and the running gain (which that rate held down) is lifted to even so that
+        the drafter runs them.
         Otherwise the rate moves only by the one step of each probe, at RATE_EMA's weight, while
         the plain rate stays current: a loss that a few unlucky steps (or the machine's drift
         between the two) put there kept drafting paused through every probe. A loss beyond two
-        errors pauses again at once, as before. True when the rate is to be measured again."""
-        entry = self.rates.get((D, True))
+        errors pauses again at once, as before."""
         bound = self.measured_gain_bound(D, True, errors=2.0)
-        if belief < 1.0 or entry is None or bound is None or bound < 1.0:
-            return False
-        entry[1] = 1
-        return True
+        if belief >= 1.0 and bound is not None and bound >= 1.0:
+            self.rates[D, True][1] = 1
+            self.gain = max(self.gain, 1.0)
 
     def choose(self, drafts: list[Draft], budgets: list[int], other_tokens: int,
                draft_seconds: float) -> list[Proposal]:

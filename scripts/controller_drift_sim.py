@@ -8,6 +8,12 @@ does after an idle spell). The policy's belief is always a gain of 1.5, so only 
 can pause drafting. Prints, per g, achieved tokens/s over the better kind's at full speed (mean
 and worst of 20 seeds of 2,000 steps; with drift even a perfect choice stays below 1).
 
+What it leaves out: on a real machine a plain step taken between drafting steps runs slower than
+one in a run of plain steps (caches and the core's speed settle over a few steps), so a change
+that looks neutral here can still tilt the real controller towards drafting (docs/benchmarks.md,
+the eleventh session's section). Compare two versions of the controller by running this file
+with each checkout first on PYTHONPATH.
+
     .venv/bin/python scripts/controller_drift_sim.py [--drift]
 """
 

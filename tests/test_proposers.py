@@ -227,34 +227,6 @@ def test_a_probe_measures_an_unsure_loss_again_before_it_pauses_drafting_again()
     assert clear.skip_steps > 0 and clear.measured_gain(1) is not None
 
 
-def test_a_plain_rate_measured_while_the_machine_ran_slower_is_measured_again():
-    """Plain and drafting steps first measured while the machine ran at half speed (as it does
-    for a hundred steps after an idle spell on a shared VM): drafting pays there. At full speed it
-    loses (20 tokens a second against 25): the drafting rate moves, so plain steps are measured
-    again before the usual PLAIN_EVERY, and the fresh one outweighs the stale ones."""
-    c = VerifyLengthController(_Hopeful(), SpecStats())
-    c.record_pass(1, 0.6)
-
-    def run(steps: int, draft_seconds: float, plain_seconds: float) -> int:
-        drafted = 0
-        for _ in range(steps):
-            if c.paused():
-                c.observe_outcome(1, False, 1, plain_seconds)
-            elif c.skip_steps == 0:
-                c.record_pass(1, 0.01)
-                c.observe_outcome(1, True, 1 + 2 * (drafted % 2), draft_seconds)  # 1 or 3 tokens
-                drafted += 1
-            if c.skip_steps > 0:
-                break
-        return drafted
-
-    run(30, 0.2, 0.15)  # half speed: 10 tokens a second against 6.7
-    assert c.measured_gain(1) > 1.4 and c.skip_steps == 0
-    drafted = run(200, 0.1, 0.04)
-    assert c.skip_steps > 0 and drafted < c.PLAIN_EVERY  # paused, before the usual plain step was due
-    assert c.measured_gain(1) < 0.9
-
-
 def test_paused_steps_stop_verifying_looked_up_chains_where_they_measured_a_loss():
     c = VerifyLengthController(Policy(), SpecStats())
     assert c.lookups_pay(4)  # nothing measured: the policy's pricing decides

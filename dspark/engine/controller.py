@@ -35,13 +35,8 @@ class VerifyLengthController:
 
     MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA = 4, 256, 0.25
     # steps of each kind at a load before their measured rates judge drafting there; the rates'
-    # EMA weight; drafting steps between two plain steps taken to measure the plain rate again, and
-    # how often to check in between whether the drafting rate has moved since the last plain step
-    MEASURED_MIN, RATE_EMA, PLAIN_EVERY, PLAIN_CHECK = 6, 0.1, 64, 8
-    # a plain step after `gap` other steps at its load takes at least gap / (gap + PLAIN_AGE) of the
-    # plain rate: the machine's speed moves between sparse plain steps (a shared VM runs slower for
-    # a while after an idle spell), and one plain step, always D tokens, varies little
-    PLAIN_AGE = 8
+    # EMA weight; drafting steps between two plain steps taken to measure the plain rate again
+    MEASURED_MIN, RATE_EMA, PLAIN_EVERY = 6, 0.1, 64
     # where verifying looked-up chains on paused steps measured a loss, one paused step in this
     # many still verifies them, so that the measurement follows the traffic
     LOOKUP_RETRY = 32
@@ -65,12 +60,10 @@ class VerifyLengthController:
         self.resumed = False  # a pause just ended: the next pass is a probe
         self.expected: dict[tuple[int, int], float] = {}  # (requests, width) -> expected gain, until the next pass
         # (decoding requests, kind) -> [EMA of committed tokens per second, steps, EMA of its
-        # square, the sum of the EMA's squared weights (1 / its effective sample count)]; kind: True
-        # (a drafter pass), False (plain: nothing verified past the anchor), "lookup" (a paused step
-        # that verified looked-up chains)
+        # square]; kind: True (a drafter pass), False (plain: nothing verified past the anchor),
+        # "lookup" (a paused step that verified looked-up chains)
         self.rates: dict[tuple[int, bool | str], list[float]] = {}
         self.since_plain: dict[tuple[int, bool | str], int] = {}  # (requests, kind) -> its steps since a plain one
-        self.at_plain: dict[tuple[int, bool | str], float] = {}  # (requests, kind) -> its rate at the last plain step
         self.lookup_skips: dict[int, int] = {}  # where lookups lose: paused steps since they were tried
 
     def paused(self, R: int = 1, width: int = 1, decodes: int | None = None) -> bool:
@@ -106,23 +99,11 @@ class VerifyLengthController:
 
     def _plain_due(self, D: int, kind: bool | str) -> bool:
         """A plain step to measure (again) what steps without `kind`'s extra work commit at D
-        requests, once that kind has MEASURED_MIN steps there: every PLAIN_EVERY of its steps, and
-        sooner (checked every PLAIN_CHECK) where its rate has moved by more than two of its standard
-        errors since the last plain step: the machine's speed has likely changed, and the plain
-        rate measured before is stale (drafting steps vary too much to tell that apart from a
-        change in acceptance, so either way plain is measured again)."""
+        requests, once that kind has MEASURED_MIN steps there."""
         steps, plain = self.rates.get((D, kind)), self.rates.get((D, False))
         if steps is None or steps[1] < self.MEASURED_MIN:
             return False
-        if plain is None or plain[1] < self.MEASURED_MIN:
-            return True
-        since = self.since_plain.get((D, kind), 0)
-        if since >= self.PLAIN_EVERY:
-            return True
-        if since == 0 or since % self.PLAIN_CHECK:
-            return False
-        then = self.at_plain.get((D, kind), steps[0])
-        return abs(steps[0] - then) > 2.0 * self._relative_error(steps) * then
+        return plain is None or plain[1] < self.MEASURED_MIN or self.since_plain.get((D, kind), 0) >= self.PLAIN_EVERY
 
     def observe_outcome(self, D: int, kind: bool | str, committed: int, seconds: float) -> None:
         """A decode-only step of D requests committed `committed` tokens in `seconds`; kind: True
@@ -130,20 +111,13 @@ class VerifyLengthController:
         if D < 1 or not seconds > 0 or (kind is True and self.starting):
             return  # (the step of the very first drafter pass: its start-up costs are no rate)
         rate = committed / seconds
-        old = self.rates.setdefault((D, kind), [rate, 0, rate * rate, 0.0])
+        old = self.rates.setdefault((D, kind), [rate, 0, rate * rate])
         w = max(self.RATE_EMA, 1.0 / (old[1] + 1))
-        if kind is False:
-            gap = self.since_plain.get((D, True), 0) + self.since_plain.get((D, "lookup"), 0)
-            w = max(w, gap / (gap + self.PLAIN_AGE))
         old[0] += w * (rate - old[0])
         old[2] += w * (rate * rate - old[2])  # the square's average: how far single steps spread
-        old[3] = (1.0 - w) ** 2 * old[3] + w * w
         old[1] += 1
         if kind is False:
-            for k in (True, "lookup"):
-                self.since_plain[D, k] = 0
-                if (D, k) in self.rates:
-                    self.at_plain[D, k] = self.rates[D, k][0]
+            self.since_plain[D, True] = self.since_plain[D, "lookup"] = 0
         else:
             self.since_plain[D, kind] = self.since_plain.get((D, kind), 0) + 1
 
@@ -166,22 +140,14 @@ class VerifyLengthController:
         ratio a little under 1 is as likely noise as a loss (and a long pause on noise costs a
         drafter that pays its whole gain); the loss that overrides the policy's belief is the one
         the one-error bound still shows."""
-        if self.measured_gain(D, kind) is None:
+        gain = self.measured_gain(D, kind)
+        if gain is None:
             return None
-        gain, error = self._gain_error(D, kind)
-        return gain * (1.0 + errors * error)
-
-    def _gain_error(self, D: int, kind: bool | str) -> tuple[float, float]:
-        """The measured gain at D (both kinds' rates present) and its relative standard error."""
-        steps, plain = self.rates[D, kind], self.rates[D, False]
-        return steps[0] / plain[0], (self._relative_error(steps) ** 2 + self._relative_error(plain) ** 2) ** 0.5
-
-    @staticmethod
-    def _relative_error(rate: list[float]) -> float:
-        """A rate's standard error over its mean: the spread of single steps over the EMA's
-        effective sample count (1 over the sum of its squared weights)."""
-        mean, _, square, weights = rate
-        return (max(0.0, square - mean * mean) * weights) ** 0.5 / mean
+        spread = 0.0
+        for mean, n, square in (self.rates[D, kind], self.rates[D, False]):
+            steps = min(n, (2 - self.RATE_EMA) / self.RATE_EMA)  # an EMA's effective sample count
+            spread += max(0.0, square - mean * mean) / (mean * mean * steps)
+        return gain * (1.0 + errors * spread ** 0.5)
 
     def _measured_or_lower_loss(self, D: int, kind: bool | str) -> float | None:
         """The gain measured at D (measured_gain_bound), else a loss measured at the nearest fewer
@@ -269,7 +235,7 @@ class VerifyLengthController:
         errors pauses again at once, as before."""
         bound = self.measured_gain_bound(D, True, errors=2.0)
         if belief >= 1.0 and bound is not None and bound >= 1.0:
-            self.rates[D, True][1], self.rates[D, True][3] = 1, 1.0
+            self.rates[D, True][1] = 1
             self.gain = max(self.gain, 1.0)
 
     def choose(self, drafts: list[Draft], budgets: list[int], other_tokens: int,

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from dspark.bench.roofline import _pass_inputs
+from dspark.bench.roofline import eager_pass
 from dspark.engine.attention import make_backend
 from dspark.engine.kv_cache import KVCache
 from dspark.models.loader import load_model
@@ -24,17 +24,14 @@ def main() -> None:
     spells = sys.argv[1:] or ["none", "sleep", "spin"]
     model, _ = load_model(None, torch.device("cpu"), torch.bfloat16, "auto")  # the default model
     c = model.config
-    kv = KVCache(c.num_hidden_layers, 8 * 20, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16,
-                 torch.device("cpu"))
-    attn = make_backend("auto", torch.device("cpu"))
+    page, context = 16, 256
+    kv = KVCache(c.num_hidden_layers, -(-(context + 1) // page), page, c.num_key_value_heads, c.head_dim,
+                 torch.bfloat16, torch.device("cpu"))
+    step = eager_pass(model, make_backend("auto", torch.device("cpu")), kv, 1, 1, context)
     with torch.inference_mode():
-        batch, ids, pos, _ = _pass_inputs(model, kv, 1, 1, 256)
-
         def one_pass() -> float:
             t = time.perf_counter()
-            attn.plan(batch)
-            h, _ = model(ids, pos, attn, kv)
-            model.logits(h)
+            step()
             return 1e3 * (time.perf_counter() - t)
 
         for _ in range(100):

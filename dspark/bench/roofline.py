@@ -148,18 +148,25 @@ def _median_seconds(step: Callable[[], object], device: torch.device, reps: int,
     return statistics.median(times)
 
 
-def time_pass(model: LlamaModel, attn, kv: KVCache, batch_size: int, q_len: int, context: int,
-              reps: int) -> float:
-    """Median seconds of one eager forward + logits for every row: batch_size requests of q_len new tokens."""
+def eager_pass(model: LlamaModel, attn, kv: KVCache, batch_size: int, q_len: int,
+               context: int) -> Callable[[], None]:
+    """One eager forward + logits for every row, batch_size requests of q_len new tokens after
+    `context` cached ones, as a callable to repeat (under torch.inference_mode)."""
     batch, ids, pos, _ = _pass_inputs(model, kv, batch_size, q_len, context)
 
-    def step():
+    def step() -> None:
         attn.plan(batch)
         hidden, _ = model(ids, pos, attn, kv)
         model.logits(hidden)
 
+    return step
+
+
+def time_pass(model: LlamaModel, attn, kv: KVCache, batch_size: int, q_len: int, context: int,
+              reps: int) -> float:
+    """Median seconds of eager_pass."""
     with torch.inference_mode():
-        return _median_seconds(step, kv.k.device, reps)
+        return _median_seconds(eager_pass(model, attn, kv, batch_size, q_len, context), kv.k.device, reps)
 
 
 def time_graph_pass(model: LlamaModel, attn, kv: KVCache, batch_size: int, q_len: int, context: int,

@@ -50,10 +50,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-decode-stall-ms", type=float, default=None,
+    p.add_argument("--max-decode-stall-ms", type=_ms_or_none, default=None, metavar="MS",
                    help="while requests decode, cut prefill chunks so that a step's target pass, as the "
-                        "measured cost profile predicts it, stays under this many ms (at least a page of "
-                        "prompt tokens per step still goes through); default: no bound, the token budget alone")
+                        "measured cost profile predicts it, stays under this many ms, or under "
+                        "--decode-stall-factor times the decodes' own pass where that is more; 'none': no "
+                        "bound, the token budget alone (default: none; 80 for `dspark serve`)")
+    p.add_argument("--decode-stall-factor", type=float, default=2.0,
+                   help="a step with decoding requests may take prefill tokens up to this many times what "
+                        "its decodes alone cost, whatever --max-decode-stall-ms says (>= 1; default 2), so "
+                        "prompts keep advancing when the decodes alone fill the bound")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (used by default on CUDA with the flashinfer backend)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -84,6 +89,16 @@ def ignored_flags(args: argparse.Namespace, policy: str, tree_by_method: bool = 
     return out
 
 
+def _ms_or_none(text: str) -> float | None:
+    """A --max-decode-stall-ms value: milliseconds, or 'none' for no bound."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'none', got {text!r}") from None
+
+
 def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # noqa: ANN201 - an EngineConfig
                   tree_by_method: bool = False):
     """The EngineConfig the shared engine flags describe (imported late: `dspark --help` stays
@@ -105,6 +120,7 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_decode_stall_ms=args.max_decode_stall_ms,
+                        decode_stall_factor=args.decode_stall_factor,
                         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                         tensor_parallel_size=args.tensor_parallel_size, chat_template=args.chat_template,
                         spec=spec)

@@ -275,8 +275,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_batched_tokens: int = 2048  # tokens per forward (prefill chunking)
     # while requests decode, prefill chunks are cut so that a step's target pass, as the measured
-    # cost model predicts it, stays under this many ms (None: the token budget alone)
+    # cost model predicts it, stays under this many ms (None: the token budget alone), or under
+    # decode_stall_factor times what the decodes alone cost where that is more: under a load whose
+    # decodes fill the bound, prompts still get that share of every step instead of starving
     max_decode_stall_ms: float | None = None
+    decode_stall_factor: float = 2.0
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the flashinfer backend)
     # share the KV pages of identical prompt prefixes (vLLM's); None: on wherever a prompt's K/V
     # do not depend on its chunking, so a cached prefix gives the bits a fresh one would (Engine)
@@ -302,6 +305,9 @@ class EngineConfig:
                                   or not 0 < stall < float("inf")):  # NaN fails too
             raise ValueError(f"max_decode_stall_ms must be a number of milliseconds > 0 (None: no bound), "
                              f"got {stall!r}")
+        factor = self.decode_stall_factor
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 1 <= factor < float("inf"):
+            raise ValueError(f"decode_stall_factor must be a number >= 1, got {factor!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 (None: the model's), got {self.max_model_len!r}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):

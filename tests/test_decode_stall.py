@@ -25,8 +25,10 @@ def ms_per_token(n: int) -> float:
     return 2e-3 + 0.5e-3 * n
 
 
-def _planner(bound_ms: float | None, budget: int = 256, drafts: int = 3, cost=ms_per_token) -> BatchPlanner:
-    cfg = EngineConfig(page_size=PAGE, max_num_batched_tokens=budget, max_num_seqs=8, max_decode_stall_ms=bound_ms)
+def _planner(bound_ms: float | None, budget: int = 256, drafts: int = 3, cost=ms_per_token,
+             factor: float = 2.0) -> BatchPlanner:
+    cfg = EngineConfig(page_size=PAGE, max_num_batched_tokens=budget, max_num_seqs=8, max_decode_stall_ms=bound_ms,
+                       decode_stall_factor=factor)
     return BatchPlanner(cfg, PagePool(256, PAGE), FakeSpec(drafts), cost)
 
 
@@ -67,10 +69,25 @@ def test_no_bound_keeps_the_token_budget():
 
 
 def test_decodes_past_the_bound_still_let_a_page_through():
-    p = _planner(bound_ms=5.0)  # 2 + 0.5 x 8 = 6 ms for the decodes alone
+    p = _planner(bound_ms=5.0, factor=1.0)  # 2 + 0.5 x 8 = 6 ms for the decodes alone
     for i in range(2):
         _running(p, _seq(i, 6, out=1))
     assert {n for _, n in _prefill_steps(p, _seq(9, 20))} == {PAGE}
+
+
+def test_decodes_near_the_bound_leave_prompts_their_factor_of_the_step():
+    """The decodes alone cost 6 ms, past the 5 ms bound: at factor 2 a step may take 12 ms, so
+    2 + 0.5 (8 + n) <= 12 -> n <= 12 prompt tokens a step, not a page; at factor 3, n <= 24."""
+    for factor, chunks in ((2.0, [12, 12, 12, 4]), (3.0, [24, 16])):
+        p = _planner(bound_ms=5.0, factor=factor)
+        for i in range(2):
+            _running(p, _seq(i, 6, out=1))
+        assert [n for _, n in _prefill_steps(p, _seq(9, 40))] == chunks
+    # where the bound is the larger, it governs as before
+    p = _planner(bound_ms=20.2, factor=2.0)
+    for i in range(2):
+        _running(p, _seq(i, 6, out=1))
+    assert _prefill_steps(p, _seq(9, 40))[0] == (8, 28)
 
 
 def test_the_cap_follows_a_measured_cost_model():
@@ -93,6 +110,12 @@ def test_bad_bounds_are_refused(value):
         EngineConfig(max_decode_stall_ms=value).validate()
 
 
+@pytest.mark.parametrize("value", [0.5, -2.0, float("nan"), float("inf"), True, "2"])
+def test_bad_factors_are_refused(value):
+    with pytest.raises(ValueError, match="decode_stall_factor"):
+        EngineConfig(decode_stall_factor=value).validate()
+
+
 def test_cli_flag():
     from dspark.cli import add_engine_args, engine_config
 
@@ -100,6 +123,24 @@ def test_cli_flag():
     add_engine_args(p)
     assert engine_config(p.parse_args([])).max_decode_stall_ms is None
     assert engine_config(p.parse_args(["--max-decode-stall-ms", "25"])).max_decode_stall_ms == 25.0
+    config = engine_config(p.parse_args(["--max-decode-stall-ms", "None", "--decode-stall-factor", "3"]))
+    assert (config.max_decode_stall_ms, config.decode_stall_factor) == (None, 3.0)
+    assert engine_config(p.parse_args([])).decode_stall_factor == 2.0
+
+
+def test_serve_bounds_stalls_by_default(capsys):
+    """`dspark serve` bounds a step's stall by default (a server's prompts arrive beside decoding
+    requests); 'none' turns the bound off; a value that is neither a number nor 'none' is refused."""
+    from dspark.cli import add_engine_args, engine_config
+    from dspark.server.cli import SERVE_DECODE_STALL_MS, add_serve_parser
+
+    p = argparse.ArgumentParser()
+    add_serve_parser(p.add_subparsers(), add_engine_args)
+    assert engine_config(p.parse_args(["serve"])).max_decode_stall_ms == SERVE_DECODE_STALL_MS
+    assert engine_config(p.parse_args(["serve", "--max-decode-stall-ms", "none"])).max_decode_stall_ms is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["serve", "--max-decode-stall-ms", "soon"])
+    assert "expected milliseconds or 'none'" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("single_thread")

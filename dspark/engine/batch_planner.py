@@ -79,15 +79,20 @@ class BatchPlanner:
     def prefill_cap(self, decode_tokens: int) -> int:
         """Most prefill tokens a step whose decoding requests reserved decode_tokens may add under
         the decode-stall bound: the most whose pass cost(decode_tokens + n) stays within it (the
-        reserved tokens count every draft slot, so a step the policy cuts runs shorter). At least
-        a page, so that a prompt still advances while the decodes alone take the whole bound."""
+        reserved tokens count every draft slot, so a step the policy cuts runs shorter). The bound
+        is the larger of the configured one and decode_stall_factor times the decodes' own pass:
+        where the decodes alone come near the bound (many requests, a large model, a slow
+        machine), a burst of prompts would otherwise creep in a page a step. At least a page."""
         top = self.config.max_num_batched_tokens
-        if self.stall_seconds is None or self.cost(decode_tokens + top) <= self.stall_seconds:
+        if self.stall_seconds is None:
+            return top
+        bound = max(self.stall_seconds, self.config.decode_stall_factor * self.cost(decode_tokens))
+        if self.cost(decode_tokens + top) <= bound:
             return top
         lo, hi = 0, top  # cost(decode_tokens + lo) within the bound (or lo = 0), cost(... + hi) past it
         while hi - lo > 1:  # the cost never falls as tokens grow (CostModel prices a monotone envelope)
             mid = (lo + hi) // 2
-            if self.cost(decode_tokens + mid) <= self.stall_seconds:
+            if self.cost(decode_tokens + mid) <= bound:
                 lo = mid
             else:
                 hi = mid

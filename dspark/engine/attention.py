@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -118,22 +119,24 @@ class TorchAttention:
         return batch.mask == "custom" and batch.custom_masks[i] is not None
 
     def _plan_group(self, batch: AttnBatch, idx: list[int], starts: list[int], exact: bool) -> _Group:
-        # whole-group tensor ops, not a loop of small ones per request: at a few hundred requests
-        # a step, planning would otherwise cost a good part of a decode step
+        # whole-group array ops, not a loop of small ones per request: at a few hundred requests a
+        # step, planning would otherwise cost a good part of a decode step. In numpy: on these
+        # small arrays torch's per-op dispatch cost several times the work (planned twice a
+        # drafting step, for the drafter's block and the target's pass)
         ps = batch.page_size
-        q = torch.tensor([batch.q_lens[i] for i in idx])
-        kv = torch.tensor([batch.kv_lens[i] for i in idx])
-        first = torch.tensor([starts[i] for i in idx])
+        q = np.array([batch.q_lens[i] for i in idx], dtype=np.int64)
+        kv = np.array([batch.kv_lens[i] for i in idx], dtype=np.int64)
+        first = np.array([starts[i] for i in idx], dtype=np.int64)
         qmax, lmax = int(q.max()), int(kv.max())
         n_pages = -(-lmax // ps)
-        table = torch.tensor([pages[:n_pages] + [0] * (n_pages - len(pages[:n_pages]))
-                              for pages in (batch.page_tables[i] for i in idx)], dtype=torch.long)
-        pos, j = torch.arange(lmax), torch.arange(qmax)
+        table = np.array([pages[:n_pages] + [0] * (n_pages - len(pages[:n_pages]))
+                          for pages in (batch.page_tables[i] for i in idx)], dtype=np.int64)
+        pos, j = np.arange(lmax), np.arange(qmax)
         seen = pos < kv[:, None]  # [S, Lmax]: cached or new keys of each request
         real = j < q[:, None]  # [S, Qmax]: real query rows (the rest is padding)
-        gather = torch.where(seen, table[:, pos // ps] * ps + pos % ps, 0)
-        q_index = torch.where(real, first[:, None] + j, self.num_tokens)  # pad -> the zero row
-        g_idx, j_idx = real.nonzero(as_tuple=True)
+        gather = np.where(seen, table[:, pos // ps] * ps + pos % ps, 0)
+        q_index = np.where(real, first[:, None] + j, self.num_tokens)  # pad -> the zero row
+        g_idx, j_idx = real.nonzero()
         out_rows, dest = g_idx * qmax + j_idx, first[g_idx] + j_idx
         if batch.mask == "full":
             mask = real[:, :, None] & seen[:, None, :]
@@ -144,7 +147,7 @@ class TorchAttention:
                 if self._is_tree(batch, i):
                     n, ctx = batch.q_lens[i], batch.kv_lens[i] - batch.q_lens[i]
                     mask[g, :n, :ctx] = True
-                    mask[g, :n, ctx:ctx + n] = batch.custom_masks[i].to(torch.bool)
+                    mask[g, :n, ctx:ctx + n] = batch.custom_masks[i].cpu().numpy().astype(bool)
         mask[:, :, 0] |= ~real  # padded query rows see one key so softmax stays finite
         dev = self.device
         # exact groups keep their mask even when it hides nothing: SDPA's unmasked kernel sums in
@@ -153,8 +156,8 @@ class TorchAttention:
         # long causal groups (prompt chunks) only: short ones take the masked kernel, and a decode
         # step should not build a tensor it never reads
         causal = not exact and batch.mask != "full" and not any(self._is_tree(batch, i) for i in idx)
-        visible = torch.where(real, last + 1, 0).to(dev) if causal else None
-        return _Group(gather.to(dev), q_index.to(dev), mask.to(dev), out_rows.to(dev), dest.to(dev), exact,
+        visible = torch.from_numpy(np.where(real, last + 1, 0)).to(dev) if causal else None
+        return _Group(*(torch.from_numpy(a).to(dev) for a in (gather, q_index, mask, out_rows, dest)), exact,
                       sdpa_masked=keep, visible=visible)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -275,6 +275,34 @@ def test_fused_drafter_block_matches_the_modules(folders, monkeypatch):
     _close(outs[0], outs[1], 1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_context_write_matches_the_torch_ops(folders, monkeypatch, dtype):
+    """The drafter's context write at inference (every layer's k normed, rotated and stored by the
+    fused kernel) leaves the cache the torch ops' path leaves, and touches no other slot."""
+    engine = Engine(EngineConfig(model=folders["target"], device="cpu", dtype=dtype,
+                                 spec=SpecConfig(drafter=folders["dspark"])))
+    proposer = engine.spec.proposer
+    drafter, kv = proposer.drafter, proposer.kv
+    engine.pool.reserve(1, 40)
+    slots = torch.tensor(engine.pool.slots(1, 20, 26))
+    feats = torch.randn(6, drafter.fc.in_features, generator=torch.Generator().manual_seed(3)).to(kv.k.dtype)
+    caches = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(drafter, "_store_context_kv", lambda *args: False)
+        kv.k.zero_(), kv.v.zero_()
+        with torch.inference_mode():
+            drafter.write_context(feats, torch.arange(20, 26), slots, kv)
+        caches.append((kv.k.clone(), kv.v.clone()))
+    (k1, v1), (k2, v2) = caches
+    others = torch.ones(kv.k.shape[1], dtype=torch.bool)
+    others[slots] = False
+    assert not k1[:, others].any() and not v1[:, others].any()
+    assert torch.equal(v1, v2)  # the same product's rows, stored
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: the torch path rounds after each op
+    _close(k1.float(), k2.float(), tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mapped", [True, False], ids=["reduced-vocab", "full-vocab"])
 def test_markov_walk_matches_the_slot_by_slot_walk(dtype, mapped):

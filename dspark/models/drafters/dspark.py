@@ -288,9 +288,7 @@ class BlockDrafter(nn.Module):
         if packed is not None:  # every layer's k/v rows from one product
             a = self.layers[0].self_attn
             rows = packed[0](ctx).split(2 * a.nkv * a.hd, -1)
-            ops = cpu_ops.for_tensor(ctx)
-            if ops is not None and kv.k[0].dtype == ctx.dtype == rows[0].dtype:
-                self._store_context_kv(ops, rows, cos, sin, slots, kv)
+            if self._store_context_kv(rows, cos, sin, slots, kv):
                 return
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
@@ -298,10 +296,15 @@ class BlockDrafter(nn.Module):
             kv.k[i].index_copy_(0, slots, k)
             kv.v[i].index_copy_(0, slots, v)
 
-    def _store_context_kv(self, ops, rows, cos, sin, slots, kv) -> None:  # noqa: ANN001 - ops: cpu_ops
+    def _store_context_kv(self, rows: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor,
+                          slots: torch.Tensor, kv) -> bool:  # noqa: ANN001 - kv: a KVCache
         """Each layer's k (normed) and v rows into its cache through the fused rotary-and-store
         kernel, the one the block forward uses: a write of a step's few rows is then a handful
-        of calls instead of a dozen torch ops per layer."""
+        of calls instead of a dozen torch ops per layer. False (nothing written) where the
+        kernels do not run."""
+        ops = cpu_ops.for_tensor(rows[0])
+        if ops is None or not kv.k.dtype == rows[0].dtype == cos.dtype:
+            return False
         a = self.layers[0].self_attn
         c, s = cos[:, 0].contiguous(), sin[:, 0].contiguous()
         no_q = rows[0].new_empty(rows[0].shape[0], 0, a.hd)
@@ -311,6 +314,7 @@ class BlockDrafter(nn.Module):
             k, v = k.reshape(-1, a.nkv, a.hd), v.reshape(-1, a.nkv, a.hd)
             k = a.k_norm(k) if a.k_norm is not None else k.contiguous()  # rotated in place
             ops.rope_store(no_q, k, v, c, s, kv.k[i], kv.v[i], slots)
+        return True
 
     def block_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attn, kv) -> torch.Tensor:
         """Run the block tokens (attn planned with mask "full") -> final normed hidden."""

@@ -71,6 +71,17 @@ def test_embedding_and_head_rows_stay_in_the_files_blocks(tmp_path, monkeypatch:
     head = emb if tied else index.dense(index.by_hf["lm_head.weight"], dtype)
     ids = torch.tensor([[0, 5, VOCAB - 1], [7, 7, 100]])
     assert torch.equal(m.embed_tokens(ids), emb[ids])  # the dense load's bits
+    # a decode step's few ids come from the recent rows' cache, with the same bits, and the cache
+    # stays within its bound; a prompt chunk's many ids bypass it
+    rows = m.embed_tokens
+    assert torch.equal(rows(ids), emb[ids]) and set(rows._recent) == {0, 5, 7, 100, VOCAB - 1}
+    rows._recent.clear()
+    rows.recent_rows = 3
+    few = torch.tensor([9, 4, 9, 11, 12, 13, 4])
+    assert torch.equal(rows(few), emb[few]) and len(rows._recent) == 3
+    assert torch.equal(rows(few), emb[few]) and len(rows._recent) == 3
+    many = torch.arange(VOCAB).flip(0)
+    assert torch.equal(rows(many), emb[many]) and len(rows._recent) == 3
     assert torch.equal(m.lm_head.rows(ids[0]), head[ids[0]])
     assert torch.equal(m.lm_head.rows(), head)
     for bad in (-1, VOCAB):

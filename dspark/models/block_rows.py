@@ -12,6 +12,8 @@ bits the dense table would have held.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import torch
 from torch import nn
@@ -23,6 +25,9 @@ class BlockRows(nn.Module):
     """Rows of a GGUF matrix [num_embeddings, embedding_dim], mapped from the file and
     de-quantized into ``dtype`` on lookup. Called with token ids it is the token embedding
     (as ``nn.Embedding``); :meth:`dense` gives a range of rows (to quantize a head from them)."""
+
+    CACHE_BYTES = 16 << 20  # de-quantized rows kept for the small lookups of decode steps
+    SMALL = 64  # lookups of at most this many ids go through that cache (prompt chunks do not)
 
     def __init__(self, index: GGUFTensors, entry: TensorEntry, dtype: torch.dtype):
         super().__init__()
@@ -36,6 +41,10 @@ class BlockRows(nn.Module):
         self._index, self._entry = index, entry
         # read-only: a write into the map would be a write into the user's model file
         self._raw = np.memmap(index.path, dtype=np.uint8, mode="r", offset=entry.offset, shape=(n, self.row_bytes))
+        # de-quantized rows of the tokens a decode step looks up, by id (oldest dropped first): a
+        # step looks up a token or a block's few, and de-quantizing one costs a dozen small ops
+        self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.recent_rows = max(1, self.CACHE_BYTES // (k * torch.finfo(dtype).bits // 8))
 
     @property
     def shape(self) -> torch.Size:
@@ -56,11 +65,23 @@ class BlockRows(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), embedding_dim] for 1-D ids."""
         flat = ids.reshape(-1).cpu()
-        lo, hi = flat.aminmax() if flat.numel() else (0, 0)
+        small = 0 < flat.numel() <= self.SMALL
+        ids_ = flat.tolist() if small else None
+        lo, hi = (min(ids_), max(ids_)) if small else flat.aminmax() if flat.numel() else (0, 0)
         if lo < 0 or hi >= self.num_embeddings:
             # numpy would take a negative id from the end; nn.Embedding refuses it, and so do we
             raise IndexError(f"token id out of range [0, {self.num_embeddings}): {flat.tolist()[:8]}")
-        return self._values(self._raw[flat.numpy()])
+        if not small:
+            return self._values(self._raw[flat.numpy()])
+        recent = self._recent
+        missing = list(dict.fromkeys(t for t in ids_ if t not in recent))
+        if missing:  # the same de-quantization, so a cached row has the bits of a fresh one
+            for t, row in zip(missing, self._values(self._raw[missing])):
+                recent[t] = row.clone()  # its own storage, not a view keeping the batch alive
+        out = torch.stack([recent[t] for t in ids_])
+        while len(recent) > self.recent_rows:
+            recent.popitem(last=False)
+        return out
 
     def dense(self, start: int, stop: int) -> torch.Tensor:
         """Rows start .. stop - 1, de-quantized; read from the file, not through the map, so a

@@ -21,7 +21,8 @@ from pathlib import Path
 from dspark.config import SamplingParams
 from dspark.llm import LLM
 
-ORDER = ["step", "target forward", "propose", "  block attention plan", "  block forward", "  draft logits",
+ORDER = ["step", "target forward", "  target attention plan", "  target embedding", "  target logits",
+         "propose", "  block attention plan", "  block forward", "  draft logits",
          "  Markov steps", "  Markov walk", "  confidence", "commit", "  context K/V write"]
 DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "dev_prompts.jsonl"
 
@@ -60,6 +61,9 @@ def main() -> None:
     counts: collections.Counter = collections.Counter()
     timed(totals, counts, engine, "step", "step")
     timed(totals, counts, engine.runner, "forward", "target forward")
+    timed(totals, counts, engine.runner.attn, "plan", "  target attention plan")
+    timed(totals, counts, engine.model.embed_tokens, "forward", "  target embedding")
+    timed(totals, counts, engine.model, "logits", "  target logits")
     by_size = collections.defaultdict(list)  # tokens in a target pass -> its wall times
     forward = engine.runner.forward
 

@@ -183,9 +183,16 @@ if __name__ == "__main__":  # the workers are spawned: they re-import this file
     # stopped by the "stop" message (exit code 0), not killed, and reaped: no zombie left behind
     print("exitcodes", [p.exitcode for p in procs])
     me = str(os.getpid())
+
+    def read(path, mode="r"):  # "" for a process that exited meanwhile (any process on the machine)
+        try:
+            return path.read_text() if mode == "r" else path.read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            return "" if mode == "r" else b""
+
     kids = [d for d in Path("/proc").iterdir() if d.name.isdigit()
-            and (d / "stat").read_text().split(") ")[1].split()[1] == me]
-    print("workers left", [k.name for k in kids if b"spawn_main" in (k / "cmdline").read_bytes()])
+            and read(d / "stat").split(") ")[-1].split()[1:2] == [me]]
+    print("workers left", [k.name for k in kids if b"spawn_main" in read(k / "cmdline", "rb")])
 """
 
 

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from dspark.config import SERVE_DECODE_STALL_MS
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine."""
@@ -54,7 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while requests decode, cut prefill chunks so that a step's target pass, as the "
                         "measured cost profile predicts it, stays under this many ms, or under "
                         "--decode-stall-factor times the decodes' own pass where that is more; 'none': no "
-                        "bound, the token budget alone (default: none; 80 for `dspark serve`)")
+                        f"bound, the token budget alone (default: none; {SERVE_DECODE_STALL_MS:g} for "
+                        "`dspark serve`)")
     p.add_argument("--decode-stall-factor", type=float, default=2.0,
                    help="a step with decoding requests may take prefill tokens up to this many times what "
                         "its decodes alone cost, whatever --max-decode-stall-ms says (>= 1; default 2), so "

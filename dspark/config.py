@@ -259,6 +259,11 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+# `dspark serve`'s default max_decode_stall_ms: a server's prompts arrive beside decoding requests,
+# and a burst of them prefilled in one step stalls every running stream (docs/flags.md, *Batching*)
+SERVE_DECODE_STALL_MS = 80.0
+
+
 @dataclass
 class EngineConfig:
     """What the engine runs and how much memory it may use."""
@@ -278,7 +283,7 @@ class EngineConfig:
     # cost model predicts it, stays under this many ms (None: the token budget alone), or under
     # decode_stall_factor times what the decodes alone cost where that is more: under a load whose
     # decodes fill the bound, prompts still get that share of every step instead of starving
-    max_decode_stall_ms: float | None = None
+    max_decode_stall_ms: float | None = None  # `dspark serve`: SERVE_DECODE_STALL_MS
     decode_stall_factor: float = 2.0
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the flashinfer backend)
     # share the KV pages of identical prompt prefixes (vLLM's); None: on wherever a prompt's K/V

@@ -6,10 +6,11 @@ medians of the runs and run-by-run ratios, as markdown on stdout.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
+
+from dspark.bench.plot import load_report
 
 ROWS = {"defaults": "dspark-default", "none": "dspark-none", "llama-server": "llama-server"}
 
@@ -22,7 +23,7 @@ def load(folder: Path, tags: list[str]) -> dict[str, list[dict[int, dict]]]:
         for tag in tags:
             path = folder / f"{stem}{tag}.json"
             if path.exists():
-                runs.append({r["concurrency"]: r for r in json.loads(path.read_text())["runs"]})
+                runs.append({r["concurrency"]: r for r in load_report(path)["runs"]})
         out[row] = runs
     return out
 

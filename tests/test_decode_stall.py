@@ -132,7 +132,8 @@ def test_serve_bounds_stalls_by_default(capsys):
     """`dspark serve` bounds a step's stall by default (a server's prompts arrive beside decoding
     requests); 'none' turns the bound off; a value that is neither a number nor 'none' is refused."""
     from dspark.cli import add_engine_args, engine_config
-    from dspark.server.cli import SERVE_DECODE_STALL_MS, add_serve_parser
+    from dspark.config import SERVE_DECODE_STALL_MS
+    from dspark.server.cli import add_serve_parser
 
     p = argparse.ArgumentParser()
     add_serve_parser(p.add_subparsers(), add_engine_args)

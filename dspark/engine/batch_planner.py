@@ -72,8 +72,6 @@ class BatchPlanner:
             self.pool.reserve(seq.seq_id, need)
             decode.append(seq)
             budget -= need - seq.num_cached
-        if decode:
-            budget = min(budget, self.prefill_cap(self.config.max_num_batched_tokens - budget))
         return decode, self._plan_prefill(decode, budget, preempted)
 
     def prefill_cap(self, decode_tokens: int) -> int:
@@ -105,8 +103,12 @@ class BatchPlanner:
         # and recomputed, step after step. vLLM keeps lookahead slots free before admitting likewise.
         # requests mid-prefill first, then new arrivals, while tokens and pages last
         candidates = [s for s in self.running if s.in_prefill] + list(self.waiting)
+        if not candidates:  # most steps have nothing to prefill
+            return prefill
+        if decode:  # the decode-stall bound, priced only where a prompt could stall the decodes
+            budget = min(budget, self.prefill_cap(self.config.max_num_batched_tokens - budget))
         keep_free = sum(self.pool.pages_needed(s.seq_id, s.num_cached + 2 * self.spec.max_tokens_for(s))
-                        for s in decode) if candidates else 0  # most steps have nothing to prefill
+                        for s in decode)
         for seq in candidates:
             if budget <= 0:
                 break

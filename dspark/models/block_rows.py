@@ -65,21 +65,28 @@ class BlockRows(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), embedding_dim] for 1-D ids."""
         flat = ids.reshape(-1).cpu()
-        small = 0 < flat.numel() <= self.SMALL
-        ids_ = flat.tolist() if small else None
-        lo, hi = (min(ids_), max(ids_)) if small else flat.aminmax() if flat.numel() else (0, 0)
+        if 0 < flat.numel() <= self.SMALL:
+            return self._recent_rows(flat.tolist())
+        self._check(*(flat.aminmax() if flat.numel() else (0, 0)), flat)
+        return self._values(self._raw[flat.numpy()])
+
+    def _check(self, lo: int, hi: int, ids: torch.Tensor | list[int]) -> None:
         if lo < 0 or hi >= self.num_embeddings:
             # numpy would take a negative id from the end; nn.Embedding refuses it, and so do we
-            raise IndexError(f"token id out of range [0, {self.num_embeddings}): {flat.tolist()[:8]}")
-        if not small:
-            return self._values(self._raw[flat.numpy()])
+            shown = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+            raise IndexError(f"token id out of range [0, {self.num_embeddings}): {shown[:8]}")
+
+    def _recent_rows(self, ids: list[int]) -> torch.Tensor:
+        """A decode step's few rows through the cache of recent ones (oldest dropped first)."""
+        self._check(min(ids), max(ids), ids)
         recent = self._recent
-        missing = list(dict.fromkeys(t for t in ids_ if t not in recent))
-        if missing:  # the same de-quantization, so a cached row has the bits of a fresh one
-            for t, row in zip(missing, self._values(self._raw[missing])):
-                recent[t] = row.clone()  # its own storage, not a view keeping the batch alive
-        out = torch.stack([recent[t] for t in ids_])
-        while len(recent) > self.recent_rows:
+        missing = list(dict.fromkeys(t for t in ids if t not in recent))
+        # the same de-quantization, so a cached row has the bits of a fresh one; each row its own
+        # storage, not a view keeping the whole batch alive
+        for t, row in zip(missing, self._values(self._raw[missing]) if missing else ()):
+            recent[t] = row.clone()
+        out = torch.stack([recent[t] for t in ids])
+        while len(recent) > self.recent_rows:  # after the stack: this lookup may need them all
             recent.popitem(last=False)
         return out
 

@@ -8,8 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-# `dspark serve`'s default --max-decode-stall-ms (docs/flags.md, *Batching*)
-SERVE_DECODE_STALL_MS = 80.0
+from dspark.config import SERVE_DECODE_STALL_MS
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -72,9 +71,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
     """Add the `serve` subcommand to the `dspark` command line."""
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     add_engine_args(p)
-    # a server's requests arrive beside decoding ones: a burst of prompts prefilled in one step
-    # stalls every running stream for that step (the offline commands keep the token budget alone)
-    p.set_defaults(max_decode_stall_ms=SERVE_DECODE_STALL_MS)
+    p.set_defaults(max_decode_stall_ms=SERVE_DECODE_STALL_MS)  # the offline commands keep no bound
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,

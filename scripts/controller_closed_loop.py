@@ -25,20 +25,22 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts-file", default="data/heldout_chat.jsonl")
+    ap.add_argument("--drafter", default=None, help="default: the shipped drafter; 'none' for plain decoding")
     a = ap.parse_args()
     with open(a.prompts_file, encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f]
     sp = SamplingParams(max_tokens=a.tokens, temperature=0)
-    engine = LLM(kv_cache_tokens=16384).engine
+    engine = LLM(drafter=a.drafter, kv_cache_tokens=16384).engine
     controller = engine.spec.controller
     log = []
-    observe = controller.observe_outcome
+    if controller is not None:
+        observe = controller.observe_outcome
 
-    def logged(D, kind, committed, seconds):  # noqa: ANN001, ANN202, N803
-        log.append((D, kind, committed, seconds))
-        return observe(D, kind, committed, seconds)
+        def logged(D, kind, committed, seconds):  # noqa: ANN001, ANN202, N803
+            log.append((D, kind, committed, seconds))
+            return observe(D, kind, committed, seconds)
 
-    controller.observe_outcome = logged
+        controller.observe_outcome = logged
     sent, steps, t = 0, 0, time.perf_counter()
     while True:
         while len(engine.running) + len(engine.waiting) < a.concurrency and sent < a.requests:
@@ -51,7 +53,7 @@ def main() -> None:
     seconds = time.perf_counter() - t
     generated = engine.spec_stats.generated
     print(f"{generated} tokens in {seconds:.2f} s = {generated / seconds:.1f} tok/s, {steps} steps, "
-          f"{controller.num_draft_passes} drafter passes")
+          f"{controller.num_draft_passes if controller else 0} drafter passes")
     by = collections.defaultdict(lambda: [0, 0, 0.0])
     for D, kind, committed, secs in log:  # noqa: N806
         b = by[D, kind]

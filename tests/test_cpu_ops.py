@@ -271,7 +271,7 @@ def test_fused_drafter_block_matches_the_modules(folders, monkeypatch):
         feats = torch.randn(12, proposer.drafter.fc.in_features, generator=g)
         proposer.drafter.write_context(feats, torch.arange(12), torch.tensor(engine.pool.slots(1, 0, 12)), proposer.kv)
         with torch.inference_mode():
-            outs.append(proposer._block_pass([seq]))
+            outs.append(proposer._block_pass([seq], proposer.drafter.config.block_size))
     _close(outs[0], outs[1], 1e-4)
 
 

@@ -12,7 +12,9 @@ import torch
 from spec_helpers import alphabet_prompts, make_engine, run_requests
 
 from dspark.config import SamplingParams
+from dspark.engine.controller import VerifyLengthController
 from dspark.engine.policy import CostModel, LoadAwarePolicy, ThresholdPolicy, make_policy
+from dspark.engine.sequence import SpecStats
 from dspark.engine.tree import DraftTree, build_trees
 from dspark.models import cpu_ops
 
@@ -216,6 +218,61 @@ def test_engine_load_aware_verifies_less_same_output(folders, single_thread, dra
     assert stats["load-aware"].verified < stats["fixed"].verified, (stats["fixed"].as_dict(),
                                                                    stats["load-aware"].as_dict())
     assert stats["load-aware"].accepted > 0
+
+
+def test_draft_width_is_one_past_the_longest_recently_verified_chain():
+    """A drafter pass drafts one token more than the longest chain of the last WIDTH_WINDOW passes
+    (the whole budget before any), so a chain that reaches the width lifts it for the next pass."""
+    c = VerifyLengthController(None, SpecStats())
+    assert c.draft_width(8) == 8
+    c.record_width(2)
+    assert (c.draft_width(8), c.draft_width(2)) == (3, 2)
+    c.record_width(3)  # the policy took all three: the next pass drafts four
+    assert c.draft_width(8) == 4
+    for _ in range(c.WIDTH_WINDOW - 1):
+        c.record_width(0)
+    assert c.draft_width(8) == 4  # the 3 is still in the window
+    c.record_width(0)
+    assert c.draft_width(8) == 1
+
+
+def test_block_pass_runs_only_the_positions_the_drafts_need(folders, single_thread, monkeypatch):
+    """Where the policy verifies short chains, the eager block pass runs fewer positions than the
+    drafter's block (one past the longest chain lately verified), the drafts are that long, and
+    greedy output equals plain decoding's. Under a CUDA-graph pool the whole block runs; a tree's
+    pass is no deeper than its node budget."""
+    sloped = CostModel([1, 64], [1.0, 4.15], frozen=True)
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: sloped)
+    prompts = alphabet_prompts([15, 20, 24, 31], seed=7)
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", ngram_assist=0)
+    proposer, lengths, drafted = engine.spec.proposer, [], []
+    block = proposer.drafter.config.block_size
+    real_pass, real_draft = proposer._block_pass, proposer.draft
+
+    def counted(seqs, length):
+        lengths.append(length)
+        return real_pass(seqs, length)
+
+    def recorded(seqs, budgets):
+        out = real_draft(seqs, budgets)
+        drafted.append((lengths[-1], [len(d.tokens) for d in out]))
+        return out
+
+    monkeypatch.setattr(proposer, "_block_pass", counted)
+    monkeypatch.setattr(proposer, "draft", recorded)
+    outs = run_requests(engine, [(p, dataclasses.replace(sp), None) for p in prompts])
+    plain = run_requests(make_engine(folders["target"], "none"), [(p, sp, None) for p in prompts])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert lengths[0] == block and min(lengths) < block, lengths
+    assert all(set(n) == {length} for length, n in drafted)  # a dspark block drafts at every position
+    assert proposer._block_length([2, 3]) == 3
+    monkeypatch.setattr(proposer, "graphs", object())
+    assert proposer._block_length([2, 3]) == block
+    monkeypatch.setattr(proposer, "graphs", None)
+    monkeypatch.setattr(proposer.cfg, "tree", True)
+    monkeypatch.setattr(proposer.cfg, "tree_budget", 2)
+    assert proposer._block_length([6, 5]) == 2
 
 
 @pytest.mark.parametrize("cost,verifies", [(FLAT, "all"), (STEEP, "none")], ids=["flat", "steep"])

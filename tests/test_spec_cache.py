@@ -188,12 +188,12 @@ def test_pause_ended_by_a_falling_load_writes_the_context_first(folders, fresh, 
     block_pass = spec.proposer._block_pass
     seen = []
 
-    def checked_pass(seqs):  # whenever the drafter reads, its context is complete
+    def checked_pass(seqs, length):  # whenever the drafter reads, its context is complete
         assert not spec.proposer.context.pending
         for s in seqs:
             check_caches(engine, fresh, s)
         seen.append(len(seqs))
-        return block_pass(seqs)
+        return block_pass(seqs, length)
 
     monkeypatch.setattr(spec.proposer, "_block_pass", checked_pass)
     for i, (p, n) in enumerate(zip(alphabet_prompts([31, 33], seed=5), [6, 30])):

@@ -281,22 +281,27 @@ def test_context_shrinks_to_the_pool(folders, prompts, plain, tree):
 def test_proposed_counts_only_steps_that_drafted(folders, prompts, monkeypatch):
     """A step in which a request drafts nothing (one token short of max_tokens) adds nothing to its
     proposed count, whatever it drafted the step before (looked-up chains, which propose their
-    own length, are off here)."""
+    own length, are off here). A drafting step counts the tokens its block pass drafted: at most
+    the drafter's block, fewer where the pass ran fewer positions."""
     engine = make_engine(folders["target"], folders["dspark"], ngram_assist=0)
-    spec, drafted = engine.spec, {}
+    spec, drafted, proposed = engine.spec, {}, {}
     real = spec.propose
 
     def recording(seqs, other_tokens=0):
         out = real(seqs, other_tokens)
         for s in seqs:
             drafted[s.request_id] = drafted.get(s.request_id, 0) + (s.seq_id in out)
+            if s.seq_id in out:
+                proposed.setdefault(s.request_id, []).append(out[s.seq_id].num_proposed)
         return out
 
     monkeypatch.setattr(spec, "propose", recording)
     reqs = [(p, dataclasses.replace(GREEDY, max_tokens=m), None) for p, m in zip(prompts, [3, 3, 4, 4, 5, 5, 9, 9])]
     outs = run_requests(engine, reqs)
     nd = spec.proposer.drafter.config.num_drafts
-    assert [o.stats.proposed for o in outs] == [nd * drafted.get(o.request_id, 0) for o in outs]
+    assert all(1 <= n <= nd for ns in proposed.values() for n in ns)
+    assert [o.stats.proposed for o in outs] == [sum(proposed.get(o.request_id, [])) for o in outs]
+    assert [len(proposed.get(o.request_id, [])) for o in outs] == [drafted.get(o.request_id, 0) for o in outs]
     assert sum(o.stats.steps > drafted.get(o.request_id, 0) for o in outs) >= 2  # steps that drafted nothing
 
 

@@ -119,11 +119,11 @@ def test_paused_steps_run_no_drafter_work(folders, fresh, monkeypatch):
 
     block_pass, read = engine.spec.proposer._block_pass, []
 
-    def checked(seqs):
+    def checked(seqs, length):
         for s in seqs:
             check_caches(engine, fresh, s)
         read.append(len(seqs))
-        return block_pass(seqs)
+        return block_pass(seqs, length)
 
     monkeypatch.setattr(engine.spec.proposer, "_block_pass", checked)
     decoding = [s for s in engine.running if not s.in_prefill]
@@ -202,12 +202,12 @@ def test_drafting_resumed_after_pauses_matches_plain_decoding(folders, fresh, mo
     spec = engine.spec
     block_pass, reads, paused, now = spec.proposer._block_pass, [], set(), [0]
 
-    def checked(seqs):
+    def checked(seqs, length):
         assert not spec.proposer.context.pending
         for s in seqs:
             check_caches(engine, fresh, s)
         reads.append(now[0])
-        return block_pass(seqs)
+        return block_pass(seqs, length)
 
     monkeypatch.setattr(spec.proposer, "_block_pass", checked)
 

@@ -21,6 +21,8 @@ pauses drafting wherever the measured ratio says it loses, whatever the belief.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from dspark.engine.policy import Policy
@@ -43,6 +45,8 @@ class VerifyLengthController:
     # a pass faster than the running time moves it more than a slower one: a shared machine's noise
     # and the first passes' set-up only ever add time (as the target's CostModel, it errs cheap)
     DRAFT_TIME_EMA, DRAFT_TIME_EMA_DOWN = 0.2, 0.5
+    # drafter passes whose longest verified chain bounds how deep the next pass drafts
+    WIDTH_WINDOW = 32
 
     def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False, free_drafts: bool = False):
         self.policy, self.stats, self.tree = policy, stats, tree
@@ -65,6 +69,7 @@ class VerifyLengthController:
         self.rates: dict[tuple[int, bool | str], list[float]] = {}
         self.since_plain: dict[tuple[int, bool | str], int] = {}  # (requests, kind) -> its steps since a plain one
         self.lookup_skips: dict[int, int] = {}  # where lookups lose: paused steps since they were tried
+        self.widths: collections.deque[int] = collections.deque(maxlen=self.WIDTH_WINDOW)
 
     def paused(self, R: int = 1, width: int = 1, decodes: int | None = None) -> bool:
         """Whether this step, with R requests that could draft up to width tokens (of `decodes`
@@ -189,6 +194,18 @@ class VerifyLengthController:
             self.policy.choose([width] * R, prior, 0, self.estimated_draft_seconds(R))
             self.expected[R, width] = getattr(self.policy, "last_gain", None) or 0.0
         return self.expected[R, width]
+
+    def draft_width(self, budget: int) -> int:
+        """Tokens a drafter pass drafts for a request that may verify `budget`: one more than the
+        longest chain the policy verified in the last WIDTH_WINDOW passes (a chain that reaches
+        that lifts it by one for the next pass), the whole budget before any pass. Drafting deeper
+        than the policy verifies only adds work: each drafted position is a row of the drafter's
+        layers, head and walk, which the confidences of a pass-priced policy rarely let through."""
+        return min(budget, max(self.widths) + 1) if self.widths else budget
+
+    def record_width(self, longest: int) -> None:
+        """The longest chain a drafter pass's requests verify (see draft_width)."""
+        self.widths.append(longest)
 
     def estimated_draft_seconds(self, R: int) -> float:
         """Measured proposer pass time at batch R, from the nearest batch size seen (0 before any)."""

@@ -199,7 +199,10 @@ class SpecRunner:
         # paused: no drafter pass, yet a looked-up chain costs nothing to find, so the policy prices
         # it; the other requests propose nothing (budget 0), their tokens still counted in the pass
         neural = [] if paused else [(s, b) for s, b in zip(active, budgets) if s.seq_id not in looked]
-        drafted = self.proposer.draft([s for s, _ in neural], [b for _, b in neural]) if neural else []
+        # chains: a pass drafts no deeper than the policy has lately verified (plus one), which an
+        # eager block pass turns into fewer positions (BlockProposer._block_length)
+        widths = [b if self.cfg.tree else self.controller.draft_width(b) for _, b in neural]
+        drafted = self.proposer.draft([s for s, _ in neural], widths) if neural else []
         by_seq = {s.seq_id: d for (s, _), d in zip(neural, drafted)}
         if looked:
             prior = self.assist.prior(max(len(c) for c in looked.values()))
@@ -217,6 +220,7 @@ class SpecRunner:
         if neural:
             self.passed = True
             self.controller.record_pass(len(neural), time.perf_counter() - t0, len(seqs))
+            self.controller.record_width(max(len(out[s.seq_id].tokens) for s, _ in neural))
         if paused:  # a chain the policy cut to nothing leaves a plain step, as the pause would
             return {sid: p for sid, p in out.items() if p.tokens}
         return out

@@ -54,15 +54,27 @@ class BlockProposer(Proposer):
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
         with torch.inference_mode():
             self.context.flush()  # a pause that ended early leaves its context writes queued
-            h = self._block_pass(seqs)
+            h = self._block_pass(seqs, self._block_length(budgets))
             if self.cfg.tree:
                 return self._draft_trees(seqs, budgets, h)
             return self._draft_chains(seqs, h)
 
-    def _block_pass(self, active: list[Sequence]) -> torch.Tensor:
-        """The drafter's forward over [anchor, MASK...] per request -> [R, num_drafts, H] draft slots."""
+    def _block_length(self, budgets: list[int]) -> int:
+        """Positions the block pass runs: where it runs eagerly, only as many as the longest budget
+        needs (a tree: no deeper than its node budget), since every position costs a row of each
+        drafter layer, of the draft head and of the walk; under CUDA graphs the whole block (the
+        size they were captured at). The block attends within itself, so fewer mask positions
+        change its hidden states, and so the drafts, a little: never what verification accepts."""
         dc = self.drafter.config
-        B, R = dc.block_size, len(active)
+        if self.graphs is not None:
+            return dc.block_size
+        need = min(max(budgets), self.cfg.tree_budget) if self.cfg.tree else max(budgets)
+        return max(1, min(dc.block_size, need + dc.block_size - dc.num_drafts))
+
+    def _block_pass(self, active: list[Sequence], B: int) -> torch.Tensor:
+        """The drafter's forward over [anchor, MASK x (B-1)] per request -> [R, drafts, H] draft slots."""
+        dc = self.drafter.config
+        R = len(active)
         items = [(s, [s.output_ids[-1]] + [dc.mask_token_id] * (B - 1)) for s in active]
         batch, ids, pos = self.target.layout(items, mask="full")
         out = self.graphs.run(batch, ids) if self.graphs is not None else None
@@ -76,10 +88,10 @@ class BlockProposer(Proposer):
         return (self.drafter.block_hidden(ids, pos, attn, self.kv),)
 
     def _draft_chains(self, active: list[Sequence], h: torch.Tensor) -> list[Draft]:
-        """Walk the Markov head over the draft slots h [R, num_drafts, H]: each slot's logits given
+        """Walk the Markov head over the draft slots h [R, drafts, H]: each slot's logits given
         the token drafted before it; confidences from the confidence head."""
-        dc, dev = self.drafter.config, self.target.device
-        walk = ChainWalk(active, dc.num_drafts, self.target.model.config.vocab_size, self.drafter.draft_to_target,
+        dev, steps = self.target.device, h.shape[1]
+        walk = ChainWalk(active, steps, self.target.model.config.vocab_size, self.drafter.draft_to_target,
                          dev, draft_confidence=False)
         # greedy walks the (reduced) draft vocabulary; sampled drafts need q over the target's
         base = self.drafter.head(h) if walk.samples_in_target_vocab else self.drafter.draft_logits(h)
@@ -93,7 +105,7 @@ class BlockProposer(Proposer):
         else:
             prevs = []
             try:
-                for k in range(dc.num_drafts):
+                for k in range(steps):
                     prevs.append(prev)
                     prev = walk.pick(self.drafter.step_logits(base[:, k], prev))
             except BaseException:
@@ -101,7 +113,7 @@ class BlockProposer(Proposer):
                 raise
             prevs = torch.stack(prevs, 1)
         conf = self.drafter.confidence(h, prevs)
-        return walk.drafts(torch.sigmoid(conf).float().cpu() if conf is not None else None, dc.num_drafts)
+        return walk.drafts(torch.sigmoid(conf).float().cpu() if conf is not None else None, steps)
 
     def _draft_trees(self, active: list[Sequence], budgets: list[int], h: torch.Tensor) -> list[Draft]:
         """Each request's draft tree, at most its draft budget deep, under its grammar if any:
@@ -113,7 +125,10 @@ class BlockProposer(Proposer):
         to_target = self.drafter.draft_to_target
         constraint = TreeConstraint(grammars, self.target.model.config.vocab_size, to_target) \
             if any(g is not None for g in grammars) else None
-        trees = build_trees(base[:, :max(budgets)], anchors, self.drafter.markov_head,
+        # a tree of N nodes is at most N deep: deeper draft slots cannot enter it
+        depth = min(max(budgets), self.cfg.tree_budget)
+        mh = self.drafter.markov_head
+        trees = build_trees(base[:, :depth], anchors, mh.bias if mh is not None else None,
                             [self.cfg.tree_budget] * len(active), budgets, self.cfg.tree_topk,
                             vocab=to_target, constraint=constraint)
         return [Draft([], tree=t, num_proposed=self.cfg.tree_budget) for t in trees]

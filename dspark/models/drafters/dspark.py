@@ -134,12 +134,16 @@ class MarkovHead(nn.Module):
         """Float base + W2(W1[prev]) over W2's vocabulary. Frozen weights take one float32 addmm:
         on CPU a bf16 GEMM with 32 inputs runs ~3x slower than that (it is called once per draft
         slot, so it added ~1 ms to a batch-1 drafter pass)."""
-        w = self.markov_w2.weight
-        if w.requires_grad:
-            return base + self(prev).float()
-        e = self.markov_w1(prev).float()
-        w2t = self._frozen_w2t()
-        return torch.addmm(base, e, w2t) if e.dim() == 2 else base + e @ w2t
+        if self.markov_w2.weight.requires_grad or prev.dim() != 1:
+            return base + self.bias(prev)
+        return torch.addmm(base, self.markov_w1(prev).float(), self._frozen_w2t())
+
+    def bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """The float bias W2(W1[prev]) [.., V]; frozen weights through the float32 product (see
+        add_bias)."""
+        if self.markov_w2.weight.requires_grad:
+            return self(prev).float()
+        return self.markov_w1(prev).float() @ self._frozen_w2t()
 
     def _frozen_w2t(self) -> torch.Tensor:
         w = self.markov_w2.weight

@@ -1,19 +1,38 @@
-import os, time, json
+"""Per-step log of a dspark server: put this folder on PYTHONPATH and set STEPLOG to a file."""
+import json
+import os
+import time
+
 if os.environ.get("STEPLOG"):
     from dspark.engine import engine as _eng
+
     _real = _eng.Engine.step
-    _f = open(os.environ["STEPLOG"], "a")
-    def step(self):
+    _f = open(os.environ["STEPLOG"], "a")  # noqa: SIM115 - open for the server's lifetime
+
+    def step(self):  # noqa: ANN001, ANN201
         plan = self.planner.plan
         got = {}
-        def spied():
-            d, p = plan(); got["dec"] = len(d); got["ptok"] = sum(n for _, n in p)
-            got["res"] = sum(self.spec.max_tokens_for(s) for s in d); return d, p
+
+        def spied():  # noqa: ANN202
+            d, p = plan()
+            got["dec"] = len(d)
+            got["ptok"] = sum(n for _, n in p)
+            got["res"] = sum(self.spec.max_tokens_for(s) for s in d)
+            return d, p
+
         self.planner.plan = spied
-        t = time.perf_counter(); out = _real(self); ms = 1e3 * (time.perf_counter() - t)
+        t = time.perf_counter()
+        out = _real(self)
+        ms = 1e3 * (time.perf_counter() - t)
         del self.planner.plan
         if got.get("dec"):
             pred = 1e3 * self.cost(got["res"] + got["ptok"]) if self.cost is not None else None
-            _f.write(json.dumps({"ms": round(ms, 1), **got, "pred": pred and round(pred, 1), "passed": self.spec.passed, "paused": self.spec.paused, "skip": getattr(self.spec.controller, "skip_steps", None), "lost_at": getattr(self.spec.controller, "lost_at", None)}) + "\n"); _f.flush()
+            c = self.spec.controller
+            row = {"ms": round(ms, 1), **got, "pred": pred and round(pred, 1), "passed": self.spec.passed,
+                   "paused": self.spec.paused, "skip": getattr(c, "skip_steps", None),
+                   "lost_at": getattr(c, "lost_at", None)}
+            _f.write(json.dumps(row) + "\n")
+            _f.flush()
         return out
+
     _eng.Engine.step = step

@@ -199,8 +199,9 @@ class SpecRunner:
         # paused: no drafter pass, yet a looked-up chain costs nothing to find, so the policy prices
         # it; the other requests propose nothing (budget 0), their tokens still counted in the pass
         neural = [] if paused else [(s, b) for s, b in zip(active, budgets) if s.seq_id not in looked]
-        # chains: a pass drafts no deeper than the policy has lately verified (plus one), which an
-        # eager block pass turns into fewer positions (BlockProposer._block_length)
+        # chains: a pass drafts no deeper than the policy has lately verified (plus one): fewer
+        # autoregressive steps for EAGLE-3 heads and draft models, fewer positions for an eager
+        # block pass (BlockProposer._block_length)
         widths = [b if self.cfg.tree else self.controller.draft_width(b) for _, b in neural]
         drafted = self.proposer.draft([s for s, _ in neural], widths) if neural else []
         by_seq = {s.seq_id: d for (s, _), d in zip(neural, drafted)}

@@ -1,0 +1,86 @@
+"""Drafter passes as deep as the policy verifies, against the whole block, in one process: engine
+variants on the same model, waves of B requests alternated between them (the order flipping
+every wave, the first wave a warm-up), so that a drifting machine slows all alike.
+
+    .venv/bin/python scripts/draft_depth_ab.py --batch 1 --waves 24
+    .venv/bin/python scripts/draft_depth_ab.py --batch 4 --waves 8 --tokens 64
+
+Variants (--variants, comma-separated): plain (--drafter none); default; steady (the default
+never pausing: every step drafts, so a step's cost is a drafting step's); fixedK (the fixed policy
+verifying K tokens); and any of default/steady with "-whole" (every pass runs the drafter's whole
+block, as before passes followed the policy's depth). Prints each variant's output tok/s, its
+ratio to the first variant, and its tau.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+from dspark.config import SamplingParams
+from dspark.llm import LLM
+
+
+def make(name: str) -> LLM:
+    """One engine variant (see the module docstring)."""
+    if name == "plain":
+        return LLM(drafter="none", kv_cache_tokens=8192)
+    if name.startswith("fixed"):
+        return LLM(kv_cache_tokens=8192, policy="fixed", block_size=int(name[5:]))
+    base, _, whole = name.partition("-")
+    if base not in ("default", "steady") or whole not in ("", "whole"):
+        raise SystemExit(f"unknown variant {name!r}")
+    llm = LLM(kv_cache_tokens=8192)
+    spec = llm.engine.spec
+    controller = spec.controller
+    if whole:
+        block = spec.proposer.drafter.config.block_size
+        spec.proposer._block_length = lambda budgets: block  # noqa: SLF001 - the variant under test
+        controller.draft_width = lambda budget: budget
+    if base == "steady":
+        controller.paused = lambda *a, **k: False
+        record = controller.record_pass
+
+        def never_pausing(*a, **k) -> None:  # noqa: ANN002, ANN003
+            record(*a, **k)
+            controller.skip_steps = 0
+
+        controller.record_pass = never_pausing
+    return llm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="plain,default,default-whole,steady,steady-whole")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--waves", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--prompts-file", default="data/heldout_chat.jsonl")
+    a = ap.parse_args()
+    names = a.variants.split(",")
+    engines = {n: make(n) for n in names}
+    with open(a.prompts_file, encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f]
+    sp = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    seconds, tokens, steps = collections.defaultdict(float), collections.Counter(), collections.Counter()
+    for w in range(a.waves + 1):
+        wave = [[{"role": "user", "content": p}] for p in prompts[w * a.batch:(w + 1) * a.batch]]
+        for n in names if w % 2 == 0 else names[::-1]:
+            eng = engines[n].engine
+            s0, g0 = eng.spec_stats.steps, eng.spec_stats.generated
+            t = time.perf_counter()
+            engines[n].generate(wave, sp)
+            if w:  # the first wave warms every engine up
+                seconds[n] += time.perf_counter() - t
+                tokens[n] += eng.spec_stats.generated - g0
+                steps[n] += eng.spec_stats.steps - s0
+    first = tokens[names[0]] / seconds[names[0]]
+    for n in names:
+        rate = tokens[n] / seconds[n]
+        print(f"{n}: {rate:.1f} tok/s ({rate / first:.3f}x {names[0]}), tau {tokens[n] / max(1, steps[n]):.3f}")
+
+
+if __name__ == "__main__":
+    main()

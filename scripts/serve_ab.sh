@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Two dspark servers side by side under load, measured in alternation: both run at once on their
-# own ports (an idle server costs nothing), and at every concurrency level each round benchmarks
-# one then the other with the same prompts (the order flipping every round, each round the next
-# slice of the prompt file), so the machine's drift lands on both rows alike. Prints, per level,
-# each row's median output tok/s and the median of the rounds' ratios A / B.
+# own ports (an idle server costs nothing), started afresh every round with the first start
+# alternating, and at every concurrency level each round benchmarks one then the other with the
+# same prompts (the order flipping every round, each round the next slice of the prompt file), so
+# the machine's drift and the start order land on both rows alike. Prints, per level, each row's
+# median output tok/s and the median of the rounds' ratios A / B.
 #
 #   bash scripts/serve_ab.sh [FILE] [OUT]   # FILE default: the embedded SmolLM2-135M GGUF
 #
@@ -28,20 +29,14 @@ PORT_A=${PORT_A:-8131}
 PORT_B=${PORT_B:-8132}
 mkdir -p "$OUT"
 
-start() {  # port, then extra flags (one string); prints the pid
+start() {  # port, then extra flags (one string), then the round; prints the pid
   # shellcheck disable=SC2086  # the flags are several words
-  "$HERE/.venv/bin/dspark" serve "${MODEL_ARGS[@]}" --port "$1" $2 > "$OUT/server-$1$TAG.log" 2>&1 &
+  "$HERE/.venv/bin/dspark" serve "${MODEL_ARGS[@]}" --port "$1" $2 > "$OUT/server-$1-r$3$TAG.log" 2>&1 &
   echo $!
 }
 ready() { for _ in $(seq 1 900); do curl -sf "localhost:$1/health" > /dev/null && return; sleep 1; done; }
-# one after the other: a first start may measure the machine's step costs, which the other's
-# start-up would disturb
-PID_A=$(start "$PORT_A" "$A")
-trap 'kill $PID_A 2> /dev/null' EXIT
-ready "$PORT_A"
-PID_B=$(start "$PORT_B" "$B")
+PID_A="" PID_B=""
 trap 'kill $PID_A $PID_B 2> /dev/null' EXIT
-ready "$PORT_B"
 
 slice() {  # round -> a file of that round's N prompts (wrapping around the file)
   "$PY" - "$PROMPTS" "$1" "$N" "$OUT/prompts-$1.jsonl" <<'EOF'
@@ -60,9 +55,18 @@ bench() {  # row label, port, level, round, prompts
     --output "$OUT/$1-c$3-r$4$TAG.json" > /dev/null 2>&1
 }
 
-for level in ${LEVELS//,/ }; do
-  for round in $(seq 1 "$ROUNDS"); do
-    prompts=$(slice "$round")
+for round in $(seq 1 "$ROUNDS"); do
+  prompts=$(slice "$round")
+  # both servers start afresh every round, each first in turn, one after the other (a first start
+  # may measure the machine's step costs, which the other's start-up would disturb): of two
+  # servers with the same flags, the one started first measured up to ~8% slower at c=4 in two of
+  # three rounds, which a fixed start order puts on one row
+  if [ $((round % 2)) -eq 1 ]; then
+    PID_A=$(start "$PORT_A" "$A" "$round"); ready "$PORT_A"; PID_B=$(start "$PORT_B" "$B" "$round"); ready "$PORT_B"
+  else
+    PID_B=$(start "$PORT_B" "$B" "$round"); ready "$PORT_B"; PID_A=$(start "$PORT_A" "$A" "$round"); ready "$PORT_A"
+  fi
+  for level in ${LEVELS//,/ }; do
     echo "== c=$level round $round $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
     if [ $((round % 2)) -eq 1 ]; then
       bench A "$PORT_A" "$level" "$round" "$prompts"; bench B "$PORT_B" "$level" "$round" "$prompts"
@@ -70,6 +74,8 @@ for level in ${LEVELS//,/ }; do
       bench B "$PORT_B" "$level" "$round" "$prompts"; bench A "$PORT_A" "$level" "$round" "$prompts"
     fi
   done
+  kill $PID_A $PID_B 2> /dev/null
+  wait $PID_A $PID_B 2> /dev/null
 done
 
 "$PY" - "$OUT" "$LEVELS" "$ROUNDS" "$TAG" "$A" "$B" <<'EOF'

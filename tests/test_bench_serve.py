@@ -270,3 +270,27 @@ def test_each_level_sends_its_own_prompts() -> None:
     cfg = ServeBenchConfig("http://127.0.0.1:9", [f"p{i}" for i in range(7)], [1, 2, 4], num_prompts=3)
     assert [cfg.level_prompts(k) for k in range(3)] == [["p0", "p1", "p2"], ["p3", "p4", "p5"], ["p6", "p0", "p1"]]
     assert dataclasses.replace(cfg, same_prompts=True).level_prompts(2) == ["p0", "p1", "p2"]
+
+
+def test_prompt_order_is_a_seeded_shuffle_of_the_whole_file_by_default(tmp_path: pathlib.Path) -> None:
+    """By default the levels draw from the whole file in an order the seed fixes, so a file
+    sorted by category gives every level a like mix; --prompt-order file keeps the file's order."""
+    import argparse
+
+    from dspark.bench.serve_cli import _config, add_serve_bench_parser
+
+    path = tmp_path / "sorted.jsonl"
+    rows = [{"prompt": f"{cat}{i}", "category": cat} for cat in "ab" for i in range(20)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    parser = add_serve_bench_parser(argparse.ArgumentParser().add_subparsers())
+
+    def levels(*extra: str) -> list[list[str]]:
+        args = parser.parse_args(["--prompts", str(path), "--num-prompts", "10", "--concurrency", "1,2", *extra])
+        cfg, _ = _config(args)
+        return [cfg.level_prompts(k) for k in range(2)]
+
+    shuffled = levels()
+    assert shuffled == levels("--seed", "0") != levels("--seed", "1")
+    assert all({p[0] for p in level} == {"a", "b"} for level in shuffled)  # a mix at each level
+    assert len({p for level in shuffled for p in level}) == 20  # no prompt twice
+    assert levels("--prompt-order", "file") == [[f"a{i}" for i in range(10)], [f"a{i}" for i in range(10, 20)]]

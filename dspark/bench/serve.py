@@ -52,6 +52,7 @@ class ServeBenchConfig:
     timeout: float = 600.0
     seed: int = 0
     label: str | None = None
+    prompt_order: str = "file"  # how prompts was drawn from its file (the report says so)
 
     @property
     def per_level(self) -> int:
@@ -145,6 +146,7 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict[str, Any]:
     return {"mode": "serve", "label": cfg.label or default_label(info), "date": date,
             "base_url": cfg.base_url, "endpoint": cfg.endpoint, **info, "num_prompts": cfg.per_level,
             "prompts_per_level": "same" if cfg.same_prompts else "distinct", "prompt_pool": len(cfg.prompts),
+            "prompt_order": cfg.prompt_order,
             "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos,
             "warmup": cfg.warmup, "seed": cfg.seed, "runs": runs}
 

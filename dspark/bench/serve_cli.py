@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import random
 import sys
 
 from dspark.bench.client import CHAT, COMPLETIONS
@@ -66,6 +67,10 @@ def add_serve_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                         "file has too few (default 32)")
     p.add_argument("--same-prompts", action="store_true",
                    help="every load level sends the file's first --num-prompts prompts")
+    p.add_argument("--prompt-order", default="shuffled", choices=["shuffled", "file"],
+                   help="shuffled (default): the file's prompts in an order drawn with --seed, so that every "
+                        "level gets a like mix of a file sorted by category (as vLLM's benchmark samples "
+                        "its dataset); file: the file's own order")
     p.add_argument("--concurrency", default=None,
                    help="comma list of concurrency caps, one run each, e.g. 1,4,16; 'max' for no cap "
                         "(default: 1, or no cap with --request-rate)")
@@ -76,7 +81,7 @@ def add_serve_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first (default 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt order and the Poisson arrivals")
     p.add_argument("--label", default=None, help="this run's name in plots (default: the server's drafter/policy)")
     p.add_argument("--output", default=None, help="also write the JSON report to this file")
     p.add_argument("--plot", default=None, help="draw throughput and TTFT against concurrency into this image")
@@ -115,14 +120,19 @@ def _config(args: argparse.Namespace):
     if path is None:
         raise FileNotFoundError("no default prompts file (../shared/data/dev_prompts.jsonl); pass --prompts")
     levels = 1 if args.same_prompts else len(concurrencies) * len(rates)
-    prompts = load_prompts(path, args.num_prompts * levels, args.category)  # levels wrap around a short file
+    if args.prompt_order == "shuffled":  # drawn from the whole file, then each level's in turn
+        prompts = load_prompts(path, sys.maxsize, args.category)
+        random.Random(args.seed).shuffle(prompts)
+        prompts = prompts[:args.num_prompts * levels]
+    else:
+        prompts = load_prompts(path, args.num_prompts * levels, args.category)  # levels wrap around a short file
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or os.environ.get("OPENAI_API_KEY")
     cfg = ServeBenchConfig(base_url=args.url.rstrip("/"), prompts=prompts, concurrencies=concurrencies,
                            num_prompts=args.num_prompts, same_prompts=args.same_prompts,
                            rates=rates, endpoint=ENDPOINTS[args.endpoint], max_tokens=args.max_tokens,
                            temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup,
                            model=args.model, api_key=api_key, timeout=args.timeout, seed=args.seed,
-                           label=args.label)
+                           label=args.label, prompt_order=args.prompt_order)
     return cfg, str(path)
 
 

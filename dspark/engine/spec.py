@@ -221,7 +221,8 @@ class SpecRunner:
         if neural:
             self.passed = True
             self.controller.record_pass(len(neural), time.perf_counter() - t0, len(seqs))
-            self.controller.record_width(max(len(out[s.seq_id].tokens) for s, _ in neural))
+            if not self.cfg.tree:
+                self.controller.record_width(max(len(out[s.seq_id].tokens) for s, _ in neural))
         if paused:  # a chain the policy cut to nothing leaves a plain step, as the pause would
             return {sid: p for sid, p in out.items() if p.tokens}
         return out

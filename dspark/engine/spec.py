@@ -53,7 +53,6 @@ class SpecRunner:
             if priced else None
         # this step's mode (begin_step): drafting paused, and whether a paused step looks chains up
         self.paused, self.lookups = False, self.assist is not None
-        self.found: dict[int, list[int]] = {}  # a paused step's looked-up chains, found before it is planned
         self._lookup_verdicts: dict[int, list] = {}  # rows -> _lookups_pay's last verdict there
         self.passed = False  # whether this step's propose ran the proposer's pass
         self.verified = False  # ... and whether it proposed any token to verify
@@ -121,9 +120,8 @@ class SpecRunner:
         budget = self.draft_budget(seq)
         if not budget:
             return 1
-        if self.paused:  # no drafter pass: the anchor and the chain found for it, if any
-            chain = self.found.get(seq.seq_id)
-            return 1 + min(len(chain), self.lookup_budget(seq)) if chain else 1
+        if self.paused:  # no drafter pass: at most a looked-up chain after the anchor
+            return 1 + self.lookup_budget(seq) if self.lookups else 1
         nodes = self.cfg.tree_budget if self.cfg.tree else budget
         if self.assist is not None:  # room for a looked-up chain longer than a block
             nodes = max(nodes, self.lookup_budget(seq))
@@ -134,7 +132,7 @@ class SpecRunner:
         """Decide, before the step is planned, whether it drafts: seqs are the decoding requests.
         A paused step reserves no draft slots (max_tokens_for), so it leaves the token budget and
         the pages to prefill as a step without a drafter would."""
-        self.paused, self.lookups, self.found = False, self.assist is not None, {}
+        self.paused, self.lookups = False, self.assist is not None
         if self.controller is None or self.proposer.deterministic:
             return
         rooms = [b for b in map(self._room, seqs) if b > 0]
@@ -145,13 +143,6 @@ class SpecRunner:
             # the prefill tokens are not planned yet: priced as none (propose checks again); and
             # what paused steps that verified lookups measured at this load
             self.lookups = self._lookups_pay(len(seqs), 0) and self.controller.lookups_pay(len(seqs))
-            if self.lookups:
-                # found now, so that the step reserves (and the planner prices) only the chains
-                # that exist: reserving every request's whole span shrank the prompt chunks that
-                # the decode-stall bound lets in beside them, a request's span being 8-32 tokens
-                self.assist.clear()
-                roomy = [s for s in seqs if self._room(s) > 0]
-                self.found = self.assist.look_up(roomy, [self._room(s, self.assist.span(s.seq_id)) for s in roomy])
 
     def _lookups_pay(self, rows: int, other_tokens: int) -> bool:
         """Whether the policy would verify any looked-up token in a pass of `rows` decoding rows
@@ -202,12 +193,7 @@ class SpecRunner:
         if paused and (not self.lookups or not self._lookups_pay(len(seqs), other_tokens)):
             return {}  # a plain step: nothing looked up that the policy would cut anyway
         t0 = time.perf_counter()
-        if paused:  # the chains begin_step found, within what the planner left each request
-            looked = {s.seq_id: chain[:self.lookup_budget(s)] for s in active
-                      if (chain := self.found.get(s.seq_id)) and self.lookup_budget(s)}
-            self.assist.looked = looked
-        else:
-            looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
+        looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
         if paused and not looked:
             return {}
         # paused: no drafter pass, yet a looked-up chain costs nothing to find, so the policy prices

@@ -35,7 +35,8 @@ if os.environ.get("STEPLOG"):
         del self.planner.plan
         if got.get("dec"):
             row = {"t": round(time.time(), 3), "ms": round(ms, 2), **got, "fw": round(1e3 * _box.get("fw", 0), 2),
-                   "rows": _box.get("rows"), "ds": round(1e3 * _box.get("ds", 0), 2), "passed": self.spec.passed, "paused": self.spec.paused,
+                   "rows": _box.get("rows"), "ds": round(1e3 * _box.get("ds", 0), 2),
+                   "passed": self.spec.passed, "paused": self.spec.paused,
                    "verified": self.spec.verified, "drafter": self.spec.name}
             _f.write(json.dumps(row) + "\n")
             _f.flush()

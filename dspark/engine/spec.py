@@ -201,9 +201,10 @@ class SpecRunner:
         neural = [] if paused else [(s, b) for s, b in zip(active, budgets) if s.seq_id not in looked]
         # chains: a pass drafts no deeper than the policy has lately verified (plus one): fewer
         # autoregressive steps for EAGLE-3 heads and draft models, fewer positions for an eager
-        # block pass (BlockProposer._block_length)
-        widths = [b if self.cfg.tree else self.controller.draft_width(b) for _, b in neural]
-        drafted = self.proposer.draft([s for s, _ in neural], widths) if neural else []
+        # block pass (BlockProposer._block_length). No budget exceeds the block, so the
+        # block-wide width caps each one
+        deepest = self.block_size if self.cfg.tree else self.controller.draft_width(self.block_size)
+        drafted = self.proposer.draft([s for s, _ in neural], [min(b, deepest) for _, b in neural]) if neural else []
         by_seq = {s.seq_id: d for (s, _), d in zip(neural, drafted)}
         if looked:
             prior = self.assist.prior(max(len(c) for c in looked.values()))

@@ -68,8 +68,12 @@ class BlockProposer(Proposer):
         dc = self.drafter.config
         if self.graphs is not None:
             return dc.block_size
-        need = min(max(budgets), self.cfg.tree_budget) if self.cfg.tree else max(budgets)
-        return max(1, min(dc.block_size, need + dc.block_size - dc.num_drafts))
+        return max(1, min(dc.block_size, self._deepest(budgets) + dc.block_size - dc.num_drafts))
+
+    def _deepest(self, budgets: list[int]) -> int:
+        """The deepest draft slot this step can use: the longest budget, and a tree of N nodes is
+        at most N deep."""
+        return min(max(budgets), self.cfg.tree_budget) if self.cfg.tree else max(budgets)
 
     def _block_pass(self, active: list[Sequence], B: int) -> torch.Tensor:
         """The drafter's forward over [anchor, MASK x (B-1)] per request -> [R, drafts, H] draft slots."""
@@ -125,10 +129,8 @@ class BlockProposer(Proposer):
         to_target = self.drafter.draft_to_target
         constraint = TreeConstraint(grammars, self.target.model.config.vocab_size, to_target) \
             if any(g is not None for g in grammars) else None
-        # a tree of N nodes is at most N deep: deeper draft slots cannot enter it
-        depth = min(max(budgets), self.cfg.tree_budget)
         mh = self.drafter.markov_head
-        trees = build_trees(base[:, :depth], anchors, mh.bias if mh is not None else None,
+        trees = build_trees(base[:, :self._deepest(budgets)], anchors, mh.bias if mh is not None else None,
                             [self.cfg.tree_budget] * len(active), budgets, self.cfg.tree_topk,
                             vocab=to_target, constraint=constraint)
         return [Draft([], tree=t, num_proposed=self.cfg.tree_budget) for t in trees]

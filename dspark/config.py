@@ -261,7 +261,7 @@ def cpu_has_native_bf16() -> bool:
 
 # `dspark serve`'s default max_decode_stall_ms: a server's prompts arrive beside decoding requests,
 # and a burst of them prefilled in one step stalls every running stream (docs/flags.md, *Batching*)
-SERVE_DECODE_STALL_MS = 80.0
+SERVE_DECODE_STALL_MS = 60.0
 
 
 @dataclass

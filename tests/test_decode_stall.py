@@ -99,6 +99,53 @@ def test_the_cap_follows_a_measured_cost_model():
     assert cost(4 + cap) <= 0.030 < cost(4 + cap + 1)
 
 
+def test_steps_with_prompt_tokens_that_run_slower_than_priced_shrink_the_cap():
+    """Prompt rows take a path the start-up profile does not time: the steps that carry them and
+    run twice as long as the cost model says scale its price, so the chunks shrink until the
+    measured step fits the bound again; steps on time leave the cap as it was."""
+    p = _planner(bound_ms=40.2)
+    for i in range(2):
+        _running(p, _seq(i, 6, out=1))
+    assert p.prefill_cap(8) == 68  # 2 + 0.5 (8 + n) <= 40.2
+    for _ in range(5):
+        p.observe_prefill_step(40, ms_per_token(40))
+    assert p.prefill_cap(8) == 68
+    for _ in range(100):
+        p.observe_prefill_step(40, 2 * ms_per_token(40))
+    assert p.prefill_scale == pytest.approx(2.0, rel=1e-3)
+    assert p.prefill_cap(8) == 28  # 2 x (2 + 0.5 (8 + n)) <= 40.2
+    p.observe_prefill_step(40, 50 * ms_per_token(40))  # one step the machine stalled moves it little
+    assert p.prefill_scale <= 2.0
+
+
+def test_engine_reports_each_step_with_prompt_tokens_beside_decodes(folders, monkeypatch):
+    """The engine reports to the planner every step that ran prompt tokens beside decoding
+    requests, with all the tokens its pass ran, and no other step."""
+    observed, mixed = [], []
+    real_observe, real_plan = BatchPlanner.observe_prefill_step, BatchPlanner.plan
+
+    def plan(self):
+        decode, prefill = real_plan(self)
+        if decode and prefill:
+            mixed.append(len(decode) + sum(n for _, n in prefill))
+        return decode, prefill
+
+    monkeypatch.setattr(BatchPlanner, "plan", plan)
+    monkeypatch.setattr(BatchPlanner, "observe_prefill_step",
+                        lambda self, n, s: (observed.append(n), real_observe(self, n, s)))
+    prompts = alphabet_prompts([20, 90], seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    engine = make_engine(folders["target"], "none", max_decode_stall_ms=1e-3, page_size=PAGE)
+    assert not engine.cost.frozen  # a measured profile (a hand-given one is not scaled)
+    engine.add_request("a", prompts[0], dataclasses.replace(sp))
+    engine.step()
+    engine.add_request("b", prompts[1], dataclasses.replace(sp))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(mixed) > 1 and observed == mixed  # the tiny bound lets a page of the prompt in a step
+    assert engine.planner.prefill_scale != 1.0
+
+
 def test_a_bound_needs_a_cost_model():
     with pytest.raises(ValueError, match="cost model"):
         _planner(bound_ms=20.0, cost=None)

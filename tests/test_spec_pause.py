@@ -170,6 +170,35 @@ def test_paused_steps_look_up_only_chains_the_policy_verifies(folders, monkeypat
         assert {n for plan in plans for n in plan} == {1}  # as without a drafter
 
 
+def test_paused_steps_look_nothing_up_while_prompts_wait(folders, monkeypatch):
+    """While a prompt waits or prefills, a paused step reserves one slot per decoding request and
+    looks no chain up (a looked-up span's reserved slots would slice the prompt thinner under the
+    decode-stall bound); the other paused steps still look chains up. Output is plain decoding's."""
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure",
+                        lambda engine: CostModel([1, 64], [1.0, 1.6], frozen=True))
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", max_num_batched_tokens=16)
+    spec, lookups, steps = engine.spec, [], []
+    _spy(monkeypatch, spec.assist.lookup, "propose", lookups)
+    plan = engine.planner.plan
+
+    def spied():
+        waiting = bool(engine.planner.waiting) or any(s.in_prefill for s in engine.running)
+        decode, prefill = plan()
+        steps.append((waiting, [spec.max_tokens_for(s) for s in decode], len(lookups)))
+        return decode, prefill
+
+    monkeypatch.setattr(engine.planner, "plan", spied)
+    _pause(engine, 10**6)
+    prompts = alphabet_prompts([15, 20, 31, 40], seed=6)
+    outs = _run(engine, prompts, GREEDY, arrive=[0, 0, 12, 30])
+    assert outs == _plain(folders, prompts)
+    # a step's lookups happen after its plan: the count at the next plan holds them
+    looked = [(w, res, after - before) for (w, res, before), (_, _, after) in zip(steps, steps[1:])]
+    waiting = [(res, n) for w, res, n in looked if w and res]
+    assert waiting and all(set(res) == {1} and n == 0 for res, n in waiting)
+    assert sum(n for w, res, n in looked if not w) > 0  # lookups go on once the prompts are in
+
+
 def test_requests_that_never_draft_keep_no_context(folders, monkeypatch):
     """A request with speculation off queues no drafter context; a pass holding only such requests
     captures no features. Outputs are plain decoding's."""

@@ -7,7 +7,9 @@ the pages the decoding requests need to draft again next step. Under a decode-st
 (EngineConfig.max_decode_stall_ms) a step with decoding requests takes only as many prefill
 tokens as keep its predicted target pass within the bound, as Sarathi-Serve sizes its chunks
 to a time-between-tokens goal: a long prompt then reaches the decoding requests in slices
-instead of one long step.
+instead of one long step. Prompt rows take the CPU's dense path, which the start-up profile
+(decode-like rows) does not time, so the steps that carry prompt tokens scale its price by what
+they measured (BatchPlanner.observe_prefill_step).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class BatchPlanner:
         if stall is not None and cost is None:
             raise ValueError("a decode-stall bound needs the target's cost model")
         self.stall_seconds = stall / 1000 if stall is not None else None
+        self.prefill_scale = 1.0  # measured over predicted seconds of steps that carry prompt tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -74,17 +77,32 @@ class BatchPlanner:
             budget -= need - seq.num_cached
         return decode, self._plan_prefill(decode, budget, preempted)
 
+    # the scale's EMA weight, and how far one step may pull it (a step the machine's noise slowed)
+    PREFILL_SCALE_EMA, PREFILL_SCALE_CLAMP = 0.1, 2.0
+
+    def observe_prefill_step(self, tokens: int, seconds: float) -> None:
+        """A step whose target pass ran `tokens` tokens, some of them prompt tokens, in `seconds`
+        (drafter pass excluded): moves prefill_scale towards its measured / predicted ratio. A
+        cost model given by hand (frozen) is taken as it is."""
+        if self.cost is None or getattr(self.cost, "frozen", False) or tokens < 1 or not seconds > 0:
+            return
+        ratio = seconds / self.cost(tokens)
+        ratio = min(self.PREFILL_SCALE_CLAMP, max(1 / self.PREFILL_SCALE_CLAMP, ratio))
+        self.prefill_scale += self.PREFILL_SCALE_EMA * (ratio - self.prefill_scale)
+
     def prefill_cap(self, decode_tokens: int) -> int:
         """Most prefill tokens a step whose decoding requests reserved decode_tokens may add under
         the decode-stall bound: the most whose pass cost(decode_tokens + n) stays within it (the
         reserved tokens count every draft slot, so a step the policy cuts runs shorter). The bound
         is the larger of the configured one and decode_stall_factor times the decodes' own pass:
         where the decodes alone come near the bound (many requests, a large model, a slow
-        machine), a burst of prompts would otherwise creep in a page a step. At least a page."""
+        machine), a burst of prompts would otherwise creep in a page a step. A pass with prompt
+        tokens is priced at the cost model's time times prefill_scale. At least a page."""
         top = self.config.max_num_batched_tokens
         if self.stall_seconds is None:
             return top
         bound = max(self.stall_seconds, self.config.decode_stall_factor * self.cost(decode_tokens))
+        bound /= self.prefill_scale
         if self.cost(decode_tokens + top) <= bound:
             return top
         lo, hi = 0, top  # cost(decode_tokens + lo) within the bound (or lo = 0), cost(... + hi) past it

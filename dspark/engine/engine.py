@@ -230,7 +230,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one forward over everything schedulable; return outputs of touched requests."""
         # whether this step drafts is known before it is planned: a paused step reserves no draft slots
-        self.spec.begin_step([s for s in self.planner.running if not s.in_prefill])
+        running = self.planner.running
+        self.spec.begin_step([s for s in running if not s.in_prefill],
+                             prompts_waiting=bool(self.planner.waiting) or any(s.in_prefill for s in running))
         decode, prefill = self.planner.plan()
         if not decode and not prefill:
             return self._drain_finished([])
@@ -258,8 +260,11 @@ class Engine:
         attach_prompt_logprobs(works, result.hidden, self.runner)
         generated = self.spec_stats.generated  # _commit adds the decode rows' committed tokens
         touched = self._commit(works, result)
-        if not prefill:  # the acceptance read the logits, so the pass has finished on any device
-            seconds = time.perf_counter() - t0 - t_draft
+        seconds = time.perf_counter() - t0 - t_draft  # the acceptance read the logits: the pass has finished
+        if prefill:  # what the decode-stall bound prices: a pass with prompt tokens beside decodes
+            if decode:
+                self.planner.observe_prefill_step(sum(len(w.tokens) for w in works), seconds)
+        else:
             self.spec.observe_step(len(rows), seconds)  # the policy's cost model, if it prices steps
             self.spec.observe_outcome(len(decode), self.spec_stats.generated - generated, seconds + t_draft)
             if self.cost is not None and self.cost is not getattr(self.spec.policy, "cost", None):

@@ -128,10 +128,13 @@ class SpecRunner:
         return max(1 + nodes, self.proposer.forward_tokens)
 
     # ------------------------------------------------------------------ one step
-    def begin_step(self, seqs: list[Sequence]) -> None:
+    def begin_step(self, seqs: list[Sequence], prompts_waiting: bool = False) -> None:
         """Decide, before the step is planned, whether it drafts: seqs are the decoding requests.
         A paused step reserves no draft slots (max_tokens_for), so it leaves the token budget and
-        the pages to prefill as a step without a drafter would."""
+        the pages to prefill as a step without a drafter would. While prompts wait to be prefilled
+        it looks no chains up either: each request's looked-up span would be reserved, and priced
+        against the decode-stall bound and the token budget, slicing the prompts thinner (more
+        steps that stall the decodes) for chains that mostly go unverified."""
         self.paused, self.lookups = False, self.assist is not None
         if self.controller is None or self.proposer.deterministic:
             return
@@ -139,7 +142,9 @@ class SpecRunner:
         if not rooms:
             return
         self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs))
-        if self.paused and self.assist is not None:
+        if self.paused and self.assist is not None and prompts_waiting:
+            self.lookups = False
+        elif self.paused and self.assist is not None:
             # the prefill tokens are not planned yet: priced as none (propose checks again); and
             # what paused steps that verified lookups measured at this load
             self.lookups = self._lookups_pay(len(seqs), 0) and self.controller.lookups_pay(len(seqs))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import random
 import time
 
 from dspark.config import SamplingParams
@@ -29,13 +30,13 @@ def make(name: str) -> LLM:
         return LLM(drafter="none", kv_cache_tokens=8192)
     if name.startswith("fixed"):
         return LLM(kv_cache_tokens=8192, policy="fixed", block_size=int(name[5:]))
-    base, _, whole = name.partition("-")
-    if base not in ("default", "steady") or whole not in ("", "whole"):
+    base, _, suffix = name.partition("-")
+    if base not in ("default", "steady") or suffix not in ("", "whole"):
         raise SystemExit(f"unknown variant {name!r}")
     llm = LLM(kv_cache_tokens=8192)
     spec = llm.engine.spec
     controller = spec.controller
-    if whole:
+    if suffix == "whole":
         block = spec.proposer.drafter.config.block_size
         spec.proposer._block_length = lambda budgets: block  # noqa: SLF001 - the variant under test
         controller.draft_width = lambda budget: budget
@@ -58,11 +59,14 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--prompts-file", default="data/heldout_chat.jsonl")
+    ap.add_argument("--shuffle", type=int, default=None, metavar="SEED", help="prompts in a seeded order")
     a = ap.parse_args()
     names = a.variants.split(",")
     engines = {n: make(n) for n in names}
     with open(a.prompts_file, encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f]
+    if a.shuffle is not None:  # the file is sorted by category: a seeded mix of all of them
+        random.Random(a.shuffle).shuffle(prompts)
     sp = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
     seconds, tokens, steps = collections.defaultdict(float), collections.Counter(), collections.Counter()
     for w in range(a.waves + 1):

@@ -14,7 +14,8 @@ PAGE = 4
 
 
 class FakeSpec:
-    """What the planner asks of speculation: slots a step may write, and releases."""
+    """What the planner asks of speculation: slots a step may write (all of them in its target
+    pass), and releases."""
 
     def __init__(self, drafts: int):
         self.drafts = drafts
@@ -22,6 +23,9 @@ class FakeSpec:
 
     def max_tokens_for(self, seq: Sequence) -> int:
         return 1 + (0 if seq.plain_step else self.drafts)
+
+    def priced_tokens_for(self, seq: Sequence) -> int:
+        return self.max_tokens_for(seq)
 
     def release(self, seq_id: int) -> None:
         self.released.append(seq_id)

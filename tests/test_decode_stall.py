@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 
 import pytest
-from spec_helpers import alphabet_prompts, make_engine
+from spec_helpers import alphabet_prompts, make_engine, run_requests
 from test_batch_planner import FakeSpec, _running, _seq
 
 from dspark.config import EngineConfig, SamplingParams
@@ -146,6 +146,42 @@ def test_engine_reports_each_step_with_prompt_tokens_beside_decodes(folders, mon
     assert engine.planner.prefill_scale != 1.0
 
 
+@pytest.mark.usefixtures("single_thread")
+def test_decodes_are_priced_at_what_their_target_pass_may_run(folders, monkeypatch):
+    """The token budget and the stall bound price a drafting request at its anchor plus the
+    chain it may verify (no deeper than the controller's width cap), not at the block pass's
+    slots in the drafter's own cache: every step's target pass runs no more decode tokens than
+    priced, and drafting steps are priced below what they reserve. Outputs are plain decoding's."""
+    pytest.importorskip("transformers")
+    cost = CostModel([1, 64], [1.0, 1.6], frozen=True)  # cheap rows: the drafter drafts
+    monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: cost)
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", max_decode_stall_ms=2000.0)
+    steps, plan, forward = [], engine.planner.plan, engine.runner.forward
+
+    def spied_plan():
+        decode, prefill = plan()
+        steps.append({"priced": sum(engine.spec.priced_tokens_for(s) for s in decode),
+                      "reserved": sum(engine.spec.max_tokens_for(s) for s in decode),
+                      "ids": {s.seq_id for s in decode}})
+        return decode, prefill
+
+    def spied_forward(items, *args, **kwargs):
+        steps[-1]["ran"] = sum(len(t) for s, t in items if s.seq_id in steps[-1]["ids"])
+        return forward(items, *args, **kwargs)
+
+    monkeypatch.setattr(engine.planner, "plan", spied_plan)
+    monkeypatch.setattr(engine.runner, "forward", spied_forward)
+    prompts = alphabet_prompts([15, 20, 31], seed=6)
+    sp = SamplingParams(temperature=0.0, max_tokens=30)
+    requests = [(p, sp, None) for p in prompts]
+    plain = [o.token_ids for o in run_requests(make_engine(folders["target"], "none"), requests)]
+    outs = run_requests(engine, requests)
+    assert [o.token_ids for o in outs] == plain
+    decoding = [st for st in steps if st["ids"]]
+    assert all(st["ran"] <= st["priced"] <= st["reserved"] for st in decoding)
+    assert any(st["priced"] < st["reserved"] for st in decoding) and engine.spec_stats.accepted > 0
+
+
 def test_a_bound_needs_a_cost_model():
     with pytest.raises(ValueError, match="cost model"):
         _planner(bound_ms=20.0, cost=None)
@@ -211,7 +247,7 @@ def test_sliced_prefill_keeps_outputs(folders, monkeypatch, drafter, bound_ms):
 
         def spied(plan=plan, engine=engine, steps=steps):
             decode, prefill = plan()
-            steps.append((sum(engine.spec.max_tokens_for(s) for s in decode), sum(n for _, n in prefill)))
+            steps.append((sum(engine.spec.priced_tokens_for(s) for s in decode), sum(n for _, n in prefill)))
             return decode, prefill
 
         monkeypatch.setattr(engine.planner, "plan", spied)

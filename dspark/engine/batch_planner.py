@@ -74,7 +74,7 @@ class BatchPlanner:
                 continue
             self.pool.reserve(seq.seq_id, need)
             decode.append(seq)
-            budget -= need - seq.num_cached
+            budget -= self.spec.priced_tokens_for(seq)
         return decode, self._plan_prefill(decode, budget, preempted)
 
     # the scale's EMA weight, and how far one step may pull it (a step the machine's noise slowed)
@@ -92,8 +92,9 @@ class BatchPlanner:
 
     def prefill_cap(self, decode_tokens: int) -> int:
         """Most prefill tokens a step whose decoding requests reserved decode_tokens may add under
-        the decode-stall bound: the most whose pass cost(decode_tokens + n) stays within it (the
-        reserved tokens count every draft slot, so a step the policy cuts runs shorter). The bound
+        the decode-stall bound: the most whose pass cost(decode_tokens + n) stays within it
+        (decode_tokens counts every draft token the step may verify, so a step the policy cuts
+        runs shorter). The bound
         is the larger of the configured one and decode_stall_factor times the decodes' own pass:
         where the decodes alone come near the bound (many requests, a large model, a slow
         machine), a burst of prompts would otherwise creep in a page a step. A pass with prompt

@@ -123,28 +123,45 @@ class SpecRunner:
         if self.paused:  # no drafter pass: at most a looked-up chain after the anchor
             return 1 + self.lookup_budget(seq) if self.lookups else 1
         nodes = self.cfg.tree_budget if self.cfg.tree else budget
-        if self.assist is not None:  # room for a looked-up chain longer than a block
+        if self.lookups:  # room for a looked-up chain longer than a block
             nodes = max(nodes, self.lookup_budget(seq))
         return max(1 + nodes, self.proposer.forward_tokens)
+
+    def priced_tokens_for(self, seq: Sequence) -> int:
+        """Tokens seq may add to this step's target pass (after begin_step), which the token
+        budget and the decode-stall bound price: max_tokens_for's slots without those only the
+        drafter's block pass writes (its own cache, not the target's pass), and a drafter chain no
+        deeper than the controller's width cap (_propose drafts no deeper)."""
+        budget = self.draft_budget(seq)
+        if not budget:
+            return 1
+        looked = self.lookup_budget(seq) if self.lookups else 0
+        if self.paused:
+            return 1 + looked
+        if self.cfg.tree:
+            nodes = self.cfg.tree_budget
+        elif self.controller is not None and not self.proposer.deterministic:
+            nodes = min(budget, self.controller.draft_width(self.block_size))
+        else:
+            nodes = budget
+        return 1 + max(nodes, looked)
 
     # ------------------------------------------------------------------ one step
     def begin_step(self, seqs: list[Sequence], prompts_waiting: bool = False) -> None:
         """Decide, before the step is planned, whether it drafts: seqs are the decoding requests.
         A paused step reserves no draft slots (max_tokens_for), so it leaves the token budget and
         the pages to prefill as a step without a drafter would. While prompts wait to be prefilled
-        it looks no chains up either: each request's looked-up span would be reserved, and priced
+        no step looks chains up: each request's looked-up span would be reserved, and priced
         against the decode-stall bound and the token budget, slicing the prompts thinner (more
         steps that stall the decodes) for chains that mostly go unverified."""
-        self.paused, self.lookups = False, self.assist is not None
+        self.paused, self.lookups = False, self.assist is not None and not prompts_waiting
         if self.controller is None or self.proposer.deterministic:
             return
         rooms = [b for b in map(self._room, seqs) if b > 0]
         if not rooms:
             return
         self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs))
-        if self.paused and self.assist is not None and prompts_waiting:
-            self.lookups = False
-        elif self.paused and self.assist is not None:
+        if self.paused and self.lookups:
             # the prefill tokens are not planned yet: priced as none (propose checks again); and
             # what paused steps that verified lookups measured at this load
             self.lookups = self._lookups_pay(len(seqs), 0) and self.controller.lookups_pay(len(seqs))
@@ -198,7 +215,7 @@ class SpecRunner:
         if paused and (not self.lookups or not self._lookups_pay(len(seqs), other_tokens)):
             return {}  # a plain step: nothing looked up that the policy would cut anyway
         t0 = time.perf_counter()
-        looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.assist else {}
+        looked = self.assist.look_up(active, [self.lookup_budget(s) for s in active]) if self.lookups else {}
         if paused and not looked:
             return {}
         # paused: no drafter pass, yet a looked-up chain costs nothing to find, so the policy prices

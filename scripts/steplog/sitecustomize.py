@@ -6,8 +6,9 @@ at start-up when this folder is on PYTHONPATH:
 Each process appends one JSON line per step with decoding requests to <STEPLOG>.<pid>.jsonl:
 - t, ms: when the step ended (epoch s) and its wall time;
 - dec, ptok: decoding requests and prefill tokens;
-- res, pred: the slots the decodes reserved, and the cost model's ms for res + ptok (the
-  decode-stall bound's prediction; None without a cost model);
+- res, priced, pred: the slots the decodes reserved, the target-pass tokens they were priced at
+  (SpecRunner.priced_tokens_for), and the cost model's ms for priced + ptok (the decode-stall
+  bound's prediction before its prefill scale; None without a cost model);
 - fw, rows: the target pass's wall ms (the model runner's forward) and its logit rows;
 - ds: of that, ms in the fused decoder-stack kernel (the target's; 0 where it does not run);
 - out: tokens the decoding requests committed in the step;
@@ -72,6 +73,7 @@ if os.environ.get("STEPLOG"):
             d, p = plan()
             got["dec"], got["ptok"] = len(d), sum(n for _, n in p)
             got["res"] = sum(self.spec.max_tokens_for(s) for s in d)
+            got["priced"] = sum(self.spec.priced_tokens_for(s) for s in d)
             got["_seqs"] = [(s, len(s.output_ids)) for s in d]
             return d, p
 
@@ -83,7 +85,7 @@ if os.environ.get("STEPLOG"):
         del self.planner.plan
         if got.get("dec"):
             got["out"] = sum(len(s.output_ids) - n for s, n in got.pop("_seqs"))
-            pred = 1e3 * self.cost(got["res"] + got["ptok"]) if self.cost is not None else None
+            pred = 1e3 * self.cost(got["priced"] + got["ptok"]) if self.cost is not None else None
             c = self.spec.controller
             pol = self.spec.policy
             row = {"t": round(time.time(), 3), "ms": round(ms, 2), **got, "pred": pred and round(pred, 1),

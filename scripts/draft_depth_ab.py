@@ -8,8 +8,9 @@ every wave, the first wave a warm-up), so that a drifting machine slows all alik
 Variants (--variants, comma-separated): plain (--drafter none); default; steady (the default
 never pausing: every step drafts, so a step's cost is a drafting step's); fixedK (the fixed policy
 verifying K tokens); and any of default/steady with "-whole" (every pass runs the drafter's whole
-block, as before passes followed the policy's depth). Prints each variant's output tok/s, its
-ratio to the first variant, and its tau.
+block, as before passes followed the policy's depth). A variant may end in ":ATTR=VALUE", which sets
+one of the controller's constants on that engine alone (e.g. "default:GAIN_EMA=0.1"). Prints each
+variant's output tok/s, its ratio to the first variant, and its tau.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from dspark.llm import LLM
 
 def make(name: str) -> LLM:
     """One engine variant (see the module docstring)."""
+    name, _, setting = name.partition(":")
+    if setting:  # a controller constant changed on this engine alone, as "default:GAIN_EMA=0.1"
+        llm = make(name)
+        attr, _, value = setting.partition("=")
+        controller = llm.engine.spec.controller
+        if not hasattr(controller, attr):
+            raise SystemExit(f"the controller has no {attr!r}")
+        setattr(controller, attr, type(getattr(controller, attr))(value))
+        return llm
     if name == "plain":
         return LLM(drafter="none", kv_cache_tokens=8192)
     if name.startswith("fixed"):

@@ -91,13 +91,13 @@ class BatchPlanner:
         self.prefill_scale += self.PREFILL_SCALE_EMA * (ratio - self.prefill_scale)
 
     def prefill_cap(self, decode_tokens: int) -> int:
-        """Most prefill tokens a step whose decoding requests reserved decode_tokens may add under
-        the decode-stall bound: the most whose pass cost(decode_tokens + n) stays within it
-        (decode_tokens counts every draft token the step may verify, so a step the policy cuts
-        runs shorter). The bound
-        is the larger of the configured one and decode_stall_factor times the decodes' own pass:
-        where the decodes alone come near the bound (many requests, a large model, a slow
-        machine), a burst of prompts would otherwise creep in a page a step. A pass with prompt
+        """Most prefill tokens a step whose decoding requests are priced at decode_tokens may add
+        under the decode-stall bound: the most whose pass cost(decode_tokens + n) stays within it
+        (decode_tokens counts every draft token the step may verify, SpecRunner.priced_tokens_for,
+        so a step the policy cuts runs shorter). The bound is the larger of the configured one
+        and decode_stall_factor times the decodes' own pass: where the decodes alone come near
+        the bound (many requests, a large model, a slow machine), a burst of prompts would
+        otherwise creep in a page a step. A pass with prompt
         tokens is priced at the cost model's time times prefill_scale. At least a page."""
         top = self.config.max_num_batched_tokens
         if self.stall_seconds is None:

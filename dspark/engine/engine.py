@@ -261,14 +261,13 @@ class Engine:
         generated = self.spec_stats.generated  # _commit adds the decode rows' committed tokens
         touched = self._commit(works, result)
         seconds = time.perf_counter() - t0 - t_draft  # the acceptance read the logits: the pass has finished
-        if prefill:  # what the decode-stall bound prices: a pass with prompt tokens beside decodes
-            if decode:
-                self.planner.observe_prefill_step(sum(len(w.tokens) for w in works), seconds)
-        else:
+        if not prefill:
             self.spec.observe_step(len(rows), seconds)  # the policy's cost model, if it prices steps
             self.spec.observe_outcome(len(decode), self.spec_stats.generated - generated, seconds + t_draft)
             if self.cost is not None and self.cost is not getattr(self.spec.policy, "cost", None):
                 self.cost.observe(len(rows), seconds)  # the stall bound's alone
+        elif decode:  # prompt tokens beside decodes: the passes the decode-stall bound prices
+            self.planner.observe_prefill_step(sum(len(w.tokens) for w in works), seconds)
         return self._drain_finished(touched)
 
     def _commit(self, works: list[Work], result) -> list[Sequence]:

@@ -97,8 +97,8 @@ class BatchPlanner:
         so a step the policy cuts runs shorter). The bound is the larger of the configured one
         and decode_stall_factor times the decodes' own pass: where the decodes alone come near
         the bound (many requests, a large model, a slow machine), a burst of prompts would
-        otherwise creep in a page a step. A pass with prompt
-        tokens is priced at the cost model's time times prefill_scale. At least a page."""
+        otherwise creep in a page a step. A pass with prompt tokens is priced at the cost
+        model's time times prefill_scale. At least a page."""
         top = self.config.max_num_batched_tokens
         if self.stall_seconds is None:
             return top

@@ -199,6 +199,41 @@ def test_a_measured_loss_within_its_noise_does_not_override_the_belief():
     assert clear.measured_gain_bound(1) < 1.0 and clear._judged(1.5, 1) < 1.0
 
 
+class _Doubtful(Policy):
+    """The policy's belief for each pass: its drafts were cut, so the pass looks like a loss."""
+    last_gain = 0.8
+
+
+def test_a_measured_win_beyond_its_noise_outweighs_a_doubtful_belief():
+    """Drafting steps measured paying beyond one standard error keep drafting on at that load
+    while the policy reads each pass as a loss; at a load with no measured win, and with the
+    rule switched off, those passes pause drafting as before."""
+    def measured(policy: Policy, confident: float) -> VerifyLengthController:
+        c = VerifyLengthController(policy, SpecStats())
+        c.CONFIDENT_WIN = confident
+        c.record_pass(1, 0.6)  # start-up
+        c.record_pass(1, 0.01)  # the first timed pass: nothing to price it against yet
+        for i in range(40):  # drafting: 2-3 tokens in 0.1 s; plain: 1 token in 0.07-0.09 s
+            c.observe_outcome(1, True, 2 + i % 2, 0.1)
+            c.observe_outcome(1, False, 1, 0.07 + 0.02 * (i % 2))
+        return c
+
+    c = measured(_Doubtful(), 1.0)
+    low = c.measured_gain_bound(1, errors=-1.0)
+    assert low > 1.0 and c._judged(0.8, 1) == pytest.approx(low)
+    for _ in range(8):
+        c.record_pass(1, 0.01)
+    assert c.skip_steps == 0 and c.gain >= 1.0 and not c.paused()
+    for _ in range(8):
+        c.record_pass(2, 0.01, decodes=2)  # nothing measured at 2 requests: the belief pauses
+    assert c.skip_steps > 0
+    off = measured(_Doubtful(), 0.0)
+    for _ in range(8):
+        off.record_pass(1, 0.01)
+    assert off.skip_steps > 0 and off.gain < 1.0
+    assert off._judged(0.8, 1) == 0.8  # switched off, the belief caps the measurement
+
+
 def test_a_probe_measures_an_unsure_loss_again_before_it_pauses_drafting_again():
     """A loss beyond one standard error but within two pauses drafting; at the probe after the
     pause (the policy still expecting a gain) that loss is measured again from fresh drafting

@@ -36,6 +36,11 @@ class VerifyLengthController:
     profile, measured once the engine is complete)."""
 
     MIN_BACKOFF, MAX_BACKOFF, GAIN_EMA = 4, 256, 0.25
+    # a drafting gain measured at a load beyond this many standard errors of its rates outweighs
+    # the policy's belief there: the belief prices one pass's confidences, and a pass whose drafts
+    # the policy cuts reads as a loss, so at batch 1 a few hard tokens paused a drafter that the
+    # steps themselves measured paying (0: the belief always caps the measurement)
+    CONFIDENT_WIN = 1.0
     # steps of each kind at a load before their measured rates judge drafting there; the rates'
     # EMA weight; drafting steps between two plain steps taken to measure the plain rate again
     MEASURED_MIN, RATE_EMA, PLAIN_EVERY = 6, 0.1, 64
@@ -182,9 +187,16 @@ class VerifyLengthController:
 
     def _judged(self, belief: float, D: int) -> float:
         """The policy's expected gain, or the measured one at D requests where that is lower (a
-        load not yet measured: a loss measured at fewer requests, _measured_or_lower_loss)."""
+        load not yet measured: a loss measured at fewer requests, _measured_or_lower_loss); where
+        drafting steps at D measured a win beyond CONFIDENT_WIN standard errors, that win."""
         measured = self._measured_or_lower_loss(D, True)
-        return belief if measured is None else min(belief, measured)
+        if measured is None:
+            return belief
+        if self.CONFIDENT_WIN:
+            low = self.measured_gain_bound(D, True, errors=-self.CONFIDENT_WIN)
+            if low is not None and low >= 1.0:
+                return max(low, min(belief, measured))
+        return min(belief, measured)
 
     def expected_gain(self, R: int, width: int) -> float:
         """The policy's best throughput over plain decoding's for R requests whose drafts survive

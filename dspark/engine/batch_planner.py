@@ -44,6 +44,11 @@ class BatchPlanner:
         if seq in self.waiting:
             self.waiting.remove(seq)
 
+    @property
+    def prompts_waiting(self) -> bool:
+        """Whether a request waits for admission or is still prefilling its prompt."""
+        return bool(self.waiting) or any(s.in_prefill for s in self.running)
+
     def plan(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """(decoding requests, [(prefilling request, tokens this step)]), pages reserved."""
         budget = self.config.max_num_batched_tokens

@@ -230,9 +230,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one forward over everything schedulable; return outputs of touched requests."""
         # whether this step drafts is known before it is planned: a paused step reserves no draft slots
-        running = self.planner.running
-        self.spec.begin_step([s for s in running if not s.in_prefill],
-                             prompts_waiting=bool(self.planner.waiting) or any(s.in_prefill for s in running))
+        self.spec.begin_step([s for s in self.planner.running if not s.in_prefill],
+                             prompts_waiting=self.planner.prompts_waiting)
         decode, prefill = self.planner.plan()
         if not decode and not prefill:
             return self._drain_finished([])

@@ -53,6 +53,8 @@ class SpecRunner:
             if priced else None
         # this step's mode (begin_step): drafting paused, and whether a paused step looks chains up
         self.paused, self.lookups = False, self.assist is not None
+        # the deepest drafter chain this step drafts and may verify (None: no cap; begin_step)
+        self.chain_depth: int | None = None
         self._lookup_verdicts: dict[int, list] = {}  # rows -> _lookups_pay's last verdict there
         self.passed = False  # whether this step's propose ran the proposer's pass
         self.verified = False  # ... and whether it proposed any token to verify
@@ -116,34 +118,31 @@ class SpecRunner:
         return self.assist.max_len if self.assist is not None else self.block_size
 
     def max_tokens_for(self, seq: Sequence) -> int:
-        """Cache slots beyond num_cached this step may write for seq (after begin_step)."""
-        budget = self.draft_budget(seq)
-        if not budget:
-            return 1
-        if self.paused:  # no drafter pass: at most a looked-up chain after the anchor
-            return 1 + self.lookup_budget(seq) if self.lookups else 1
-        nodes = self.cfg.tree_budget if self.cfg.tree else budget
-        if self.lookups:  # room for a looked-up chain longer than a block
-            nodes = max(nodes, self.lookup_budget(seq))
-        return max(1 + nodes, self.proposer.forward_tokens)
+        """Cache slots beyond num_cached this step may write for seq (after begin_step): its
+        verified tokens with a drafter chain as deep as its budget, and in a drafting step at
+        least the slots the drafter's block pass writes into its own cache."""
+        n = self._verify_tokens(seq, None)
+        return n if n == 1 or self.paused else max(n, self.proposer.forward_tokens)
 
     def priced_tokens_for(self, seq: Sequence) -> int:
         """Tokens seq may add to this step's target pass (after begin_step), which the token
-        budget and the decode-stall bound price: max_tokens_for's slots without those only the
-        drafter's block pass writes (its own cache, not the target's pass), and a drafter chain no
-        deeper than the controller's width cap (_propose drafts no deeper)."""
+        budget and the decode-stall bound price: no block-pass slots, and a drafter chain no
+        deeper than this step's chain_depth (_propose drafts no deeper)."""
+        return self._verify_tokens(seq, self.chain_depth)
+
+    def _verify_tokens(self, seq: Sequence, depth: int | None) -> int:
+        """1 + the most tokens seq may verify this step: a looked-up chain, a tree's nodes, or a
+        drafter chain at most `depth` deep (None: its whole budget); 1 without a budget."""
         budget = self.draft_budget(seq)
         if not budget:
             return 1
         looked = self.lookup_budget(seq) if self.lookups else 0
-        if self.paused:
+        if self.paused:  # no drafter pass: at most a looked-up chain after the anchor
             return 1 + looked
         if self.cfg.tree:
             nodes = self.cfg.tree_budget
-        elif self.controller is not None and not self.proposer.deterministic:
-            nodes = min(budget, self.controller.draft_width(self.block_size))
         else:
-            nodes = budget
+            nodes = budget if depth is None else min(budget, depth)
         return 1 + max(nodes, looked)
 
     # ------------------------------------------------------------------ one step
@@ -157,6 +156,11 @@ class SpecRunner:
         self.paused, self.lookups = False, self.assist is not None and not prompts_waiting
         if self.controller is None or self.proposer.deterministic:
             return
+        # chains: a pass drafts no deeper than the policy has lately verified (plus one): fewer
+        # autoregressive steps for EAGLE-3 heads and draft models, fewer positions for an eager
+        # block pass (BlockProposer._block_length). No budget exceeds the block, so the
+        # block-wide width caps each one; worked out once a step for the planner and _propose
+        self.chain_depth = None if self.cfg.tree else self.controller.draft_width(self.block_size)
         rooms = [b for b in map(self._room, seqs) if b > 0]
         if not rooms:
             return
@@ -221,11 +225,7 @@ class SpecRunner:
         # paused: no drafter pass, yet a looked-up chain costs nothing to find, so the policy prices
         # it; the other requests propose nothing (budget 0), their tokens still counted in the pass
         neural = [] if paused else [(s, b) for s, b in zip(active, budgets) if s.seq_id not in looked]
-        # chains: a pass drafts no deeper than the policy has lately verified (plus one): fewer
-        # autoregressive steps for EAGLE-3 heads and draft models, fewer positions for an eager
-        # block pass (BlockProposer._block_length). No budget exceeds the block, so the
-        # block-wide width caps each one
-        deepest = self.block_size if self.cfg.tree else self.controller.draft_width(self.block_size)
+        deepest = self.block_size if self.chain_depth is None else self.chain_depth
         drafted = self.proposer.draft([s for s, _ in neural], [min(b, deepest) for _, b in neural]) if neural else []
         by_seq = {s.seq_id: d for (s, _), d in zip(neural, drafted)}
         if looked:

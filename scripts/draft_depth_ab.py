@@ -6,7 +6,8 @@ every wave, the first wave a warm-up), so that a drifting machine slows all alik
     .venv/bin/python scripts/draft_depth_ab.py --batch 4 --waves 8 --tokens 64
 
 Variants (--variants, comma-separated): plain (--drafter none); default; steady (the default
-never pausing: every step drafts, so a step's cost is a drafting step's); fixedK (the fixed policy
+never pausing: every step drafts, so a step's cost is a drafting step's); idle (the default always
+paused: what a step that drafts nothing costs beside plain); fixedK (the fixed policy
 verifying K tokens); and any of default/steady with "-whole" (every pass runs the drafter's whole
 block, as before passes followed the policy's depth). A variant may end in ":ATTR=VALUE", which sets
 one of the controller's constants on that engine alone (e.g. "default:GAIN_EMA=0.1"). Prints each
@@ -40,6 +41,10 @@ def make(name: str) -> LLM:
         return LLM(drafter="none", kv_cache_tokens=8192)
     if name.startswith("fixed"):
         return LLM(kv_cache_tokens=8192, policy="fixed", block_size=int(name[5:]))
+    if name == "idle":
+        llm = LLM(kv_cache_tokens=8192)
+        llm.engine.spec.controller.paused = lambda *a, **k: True
+        return llm
     base, _, suffix = name.partition("-")
     if base not in ("default", "steady") or suffix not in ("", "whole"):
         raise SystemExit(f"unknown variant {name!r}")

@@ -204,6 +204,38 @@ class _Doubtful(Policy):
     last_gain = 0.8
 
 
+class _ByConfidence(Policy):
+    """The policy's belief follows the drafts' survival: drafting pays where it is 0.6 or more."""
+    last_gain = None
+
+    def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0):
+        self.last_gain = 1.5 if conf is not None and float(conf.mean()) >= 0.6 else 0.7
+        return list(budgets)
+
+
+def test_a_pause_ends_for_a_few_trial_passes_once_its_text_has_left():
+    c = VerifyLengthController(_ByConfidence(), SpecStats())
+    c.record_pass(1, 0.6)
+    c.record_pass(1, 0.01)
+    c.policy.last_gain = 0.7
+    c.record_pass(1, 0.01)  # a loss: drafting pauses
+    c.skip_steps = c.backoff = c.MAX_BACKOFF
+    assert c.paused(1, 4, 1)  # the same text: the running acceptance (no data: 0.5) says a loss
+    assert c.hopeful_gain(1, 4) == 1.5
+    assert not c.paused(1, 4, 1, new_text=True) and c.skip_steps == 0  # text it might draft well
+    c.policy.last_gain = 0.7  # the trial passes' own beliefs: a loss, yet they all run
+    for _ in range(c.NEW_TEXT_PASSES):
+        c.record_pass(1, 0.01)
+        assert c.skip_steps == 0
+    c.record_pass(1, 0.01)
+    assert c.skip_steps > 0  # then the running gain pauses drafting again
+
+    hopeless = VerifyLengthController(_ByConfidence(), SpecStats())
+    hopeless.HOPEFUL_ACCEPTANCE = 0.5  # even text drafted well would not pay at this load
+    hopeless.skip_steps = hopeless.backoff = hopeless.MAX_BACKOFF
+    assert hopeless.paused(1, 4, 1, new_text=True) and hopeless.skip_steps == hopeless.MAX_BACKOFF - 1
+
+
 def test_a_measured_win_beyond_its_noise_outweighs_a_doubtful_belief():
     """Drafting steps measured paying beyond one standard error keep drafting on at that load
     while the policy reads each pass as a loss; at a load with no measured win, and with the

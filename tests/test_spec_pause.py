@@ -131,6 +131,27 @@ def test_paused_steps_run_no_drafter_work(folders, fresh, monkeypatch):
     assert read == [len(decoding)] == [4]
 
 
+def test_a_pause_ends_once_the_requests_it_was_decided_on_have_left(folders, monkeypatch):
+    """The requests decoding when drafting paused are its evidence: while one of them decodes the
+    pause stands; once all have left, a request's new text ends it (where text drafted well would
+    pay: hopeful_gain) and drafting resumes, with output equal to plain decoding's."""
+    engine = make_engine(folders["target"], folders["dspark"], ngram_assist=0)
+    c = engine.spec.controller
+    flags, forwards = [], []
+    _spy(monkeypatch, c, "paused", flags)
+    _spy(monkeypatch, engine.spec.proposer.drafter, "block_hidden", forwards)
+    monkeypatch.setattr(c, "hopeful_gain", lambda R, width: 2.0)
+    prompts = alphabet_prompts([20, 25, 30], seed=7)
+    sp = dataclasses.replace(GREEDY, max_tokens=24)
+    _pause(engine, 10**6)
+    outs = _run(engine, prompts, sp, arrive=[0, 0, 6])  # p2 joins while p0 and p1 decode
+    new_text = [a[3] for a, _ in flags]
+    k = new_text.index(True)
+    assert not any(new_text[:k]) and k >= 20  # not while p0 or p1 decodes
+    assert flags[k][0][2] == 1 and forwards  # p2 alone: drafting resumes
+    assert outs == _plain(folders, prompts, sp)
+
+
 def _spy_plans(monkeypatch, engine) -> list[list[int]]:
     """Per planned step: the slots each decoding request reserved."""
     plan, plans = engine.planner.plan, []

@@ -52,6 +52,9 @@ class VerifyLengthController:
     DRAFT_TIME_EMA, DRAFT_TIME_EMA_DOWN = 0.2, 0.5
     # drafter passes whose longest verified chain bounds how deep the next pass drafts
     WIDTH_WINDOW = 32
+    # the per-position acceptance of text the drafter does well on (hopeful_gain), and the drafter
+    # passes that try new text before the running gain may pause drafting again
+    HOPEFUL_ACCEPTANCE, NEW_TEXT_PASSES = 0.7, 4
 
     def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False, free_drafts: bool = False):
         self.policy, self.stats, self.tree = policy, stats, tree
@@ -66,8 +69,10 @@ class VerifyLengthController:
         self.num_draft_passes = 0
         self.skip_steps, self.backoff, self.gain = 0, self.MIN_BACKOFF, 1.0
         self.lost_at = 0  # drafting requests in the pass that last paused drafting
+        self.trial_passes = 0  # passes left that try new text (paused): no pause before they run
         self.resumed = False  # a pause just ended: the next pass is a probe
-        self.expected: dict[tuple[int, int], float] = {}  # (requests, width) -> expected gain, until the next pass
+        # (requests, width) -> expected gain, until the next pass (width < 0: hopeful_gain's)
+        self.expected: dict[tuple[int, int], float] = {}
         # (decoding requests, kind) -> [EMA of committed tokens per second, steps, EMA of its
         # square]; kind: True (a drafter pass), False (plain: nothing verified past the anchor),
         # "lookup" (a paused step that verified looked-up chains)
@@ -76,14 +81,27 @@ class VerifyLengthController:
         self.lookup_skips: dict[int, int] = {}  # where lookups lose: paused steps since they were tried
         self.widths: collections.deque[int] = collections.deque(maxlen=self.WIDTH_WINDOW)
 
-    def paused(self, R: int = 1, width: int = 1, decodes: int | None = None) -> bool:
+    def paused(self, R: int = 1, width: int = 1, decodes: int | None = None, new_text: bool = False) -> bool:
         """Whether this step, with R requests that could draft up to width tokens (of `decodes`
-        decoding requests), drafts nothing (counts the paused step)."""
+        decoding requests), drafts nothing (counts the paused step). new_text: every request
+        that was decoding when this pause began has left."""
         D = decodes or R
         if self.skip_steps == 0:
             # a plain step to measure against, only under a policy that prices steps (fixed and
             # threshold verify what they are told)
             return hasattr(self.policy, "last_gain") and self._plain_due(D, True)
+        if new_text and self.hopeful_gain(R, width) >= 1.0:
+            # what paused drafting was measured on text that has left: the drafting rate at D and
+            # the running acceptance only move while drafting runs, so a few hard tokens at a
+            # request's start kept a fresh server at one request from drafting for hundreds of
+            # steps. NEW_TEXT_PASSES passes, judged by their own confidences (one pass's belief
+            # spreads too widely to decide); the measured rate restarts at one step's weight (as
+            # in _remeasure_unsure_loss)
+            self.skip_steps, self.gain, self.resumed = 0, 1.0, True
+            self.trial_passes = self.NEW_TEXT_PASSES
+            if (D, True) in self.rates:
+                self.rates[D, True][1] = min(self.rates[D, True][1], 1)
+            return False
         gain = self._judged(self.expected_gain(R, width), D)
         if R < self.lost_at and gain >= 1.0:
             # that average was another load's: try again now, keeping the back-off (under serving
@@ -207,6 +225,16 @@ class VerifyLengthController:
             self.expected[R, width] = getattr(self.policy, "last_gain", None) or 0.0
         return self.expected[R, width]
 
+    def hopeful_gain(self, R: int, width: int) -> float:
+        """expected_gain for R requests whose drafts survive each position at HOPEFUL_ACCEPTANCE:
+        below 1, drafting loses at this load on any text (the drafter pass and the extra rows
+        cost more than well-drafted text gives back), so no new text is worth a probe."""
+        if (R, -width) not in self.expected:
+            prior = torch.full((R, width), self.HOPEFUL_ACCEPTANCE)
+            self.policy.choose([width] * R, prior, 0, self.estimated_draft_seconds(R))
+            self.expected[R, -width] = getattr(self.policy, "last_gain", None) or 0.0
+        return self.expected[R, -width]
+
     def draft_width(self, budget: int) -> int:
         """Tokens a drafter pass drafts for a request that may verify `budget`: one more than the
         longest chain the policy verified in the last WIDTH_WINDOW passes (a chain that reaches
@@ -246,7 +274,9 @@ class VerifyLengthController:
             self.resumed = False
             self._remeasure_unsure_loss(decodes or R, gain)
         self.gain += self.GAIN_EMA * (self._judged(gain, decodes or R) - self.gain)
-        if self.gain < 1.0:
+        if self.trial_passes > 0:
+            self.trial_passes -= 1
+        elif self.gain < 1.0:
             self.skip_steps, self.lost_at = self.backoff, R
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
         else:

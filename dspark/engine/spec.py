@@ -56,6 +56,7 @@ class SpecRunner:
         # the deepest drafter chain this step drafts and may verify (None: no cap; begin_step)
         self.chain_depth: int | None = None
         self._lookup_verdicts: dict[int, list] = {}  # rows -> _lookups_pay's last verdict there
+        self._paused_with: set[int] | None = None  # the decoding requests when this pause began
         self.passed = False  # whether this step's propose ran the proposer's pass
         self.verified = False  # ... and whether it proposed any token to verify
         # prefix caching shares pages, and with them the drafter's context at their slots: then
@@ -164,7 +165,13 @@ class SpecRunner:
         rooms = [b for b in map(self._room, seqs) if b > 0]
         if not rooms:
             return
-        self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs))
+        ids = {s.seq_id for s in seqs}
+        if self.controller.skip_steps == 0:
+            self._paused_with = None
+        elif self._paused_with is None:  # the requests whose text the pause was decided on
+            self._paused_with = ids
+        new_text = self._paused_with is not None and not self._paused_with & ids
+        self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs), new_text)
         if self.paused and self.lookups:
             # the prefill tokens are not planned yet: priced as none (propose checks again); and
             # what paused steps that verified lookups measured at this load

@@ -1,0 +1,69 @@
+"""Fresh engines at one request at a time, as a fresh server's first load level: each variant
+decodes the same prompts in turn (the order rotating every prompt, so a drifting machine slows
+all alike), and prints its output tok/s, ratio to the first variant and tau.
+
+    .venv/bin/python scripts/fresh_engines_c1.py plain,old,default,steady 0 32
+
+Variants: plain (--drafter none); default; old (the default without trial passes on new text:
+hopeful_gain never pays); steady (the default never pausing). Arguments: variants, the first
+prompt's index in data/heldout_chat.jsonl, the number of prompts (64 tokens each, greedy).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import time
+
+from dspark.config import SamplingParams
+from dspark.llm import LLM
+
+
+def make(name: str) -> LLM:
+    """One engine variant (see the module docstring)."""
+    if name == "plain":
+        return LLM(drafter="none")
+    if name not in ("default", "old", "steady"):
+        raise SystemExit(f"unknown variant {name!r}")
+    llm = LLM()
+    controller = llm.engine.spec.controller
+    if name == "old":
+        controller.hopeful_gain = lambda *a, **k: 0.0
+    if name == "steady":
+        controller.paused = lambda *a, **k: False
+        record = controller.record_pass
+
+        def never_pausing(*a, **k) -> None:  # noqa: ANN002, ANN003
+            record(*a, **k)
+            controller.skip_steps = 0
+
+        controller.record_pass = never_pausing
+    return llm
+
+
+def main() -> None:
+    names = sys.argv[1].split(",")
+    start, count = int(sys.argv[2]), int(sys.argv[3])
+    engines = {n: make(n) for n in names}
+    with open("data/heldout_chat.jsonl", encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f][start:start + count]
+    sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    seconds, tokens, steps = collections.Counter(), collections.Counter(), collections.Counter()
+    for i, p in enumerate(prompts):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            eng = engines[n].engine
+            s0, g0 = eng.spec_stats.steps, eng.spec_stats.generated
+            t = time.perf_counter()
+            engines[n].generate([[{"role": "user", "content": p}]], sp)
+            seconds[n] += time.perf_counter() - t
+            tokens[n] += eng.spec_stats.generated - g0
+            steps[n] += eng.spec_stats.steps - s0
+    first = tokens[names[0]] / seconds[names[0]]
+    for n in names:
+        rate = tokens[n] / seconds[n]
+        print(f"{n}: {rate:.1f} tok/s ({rate / first:.3f}x {names[0]}), tau {tokens[n] / max(1, steps[n]):.2f}")
+
+
+if __name__ == "__main__":
+    main()

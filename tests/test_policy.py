@@ -43,6 +43,19 @@ def test_load_aware_by_hand():
     assert policy.last_gain < 1
 
 
+def test_prompt_tokens_in_the_pass_make_drafts_no_cheaper():
+    """Prompt tokens riding in the pass cost the same whether drafts are verified or not: under an
+    affine cost the policy admits, and expects, what it would in a decode-only step."""
+    affine = CostModel([1, 512], [1.1, 1.0 + 0.1 * 512])
+    conf = torch.tensor([[0.9, 0.6, 0.3], [0.7, 0.2, 0.1], [0.4, 0.4, 0.4]])
+    alone, ridden = LoadAwarePolicy(affine), LoadAwarePolicy(affine)
+    for seconds in (0.0, 0.25, 1.0):
+        lengths = alone.choose([3, 3, 3], conf, 0, seconds)
+        assert ridden.choose([3, 3, 3], conf, 300, seconds) == lengths
+        assert ridden.last_gain == pytest.approx(alone.last_gain)
+    assert alone.last_gain < 1  # a drafter pass of 1 s loses beside 300 prompt tokens as well
+
+
 def test_cost_model_prices_non_decreasing_and_learns_real_steps():
     # a profile taken on a busy machine: the 1- and 2-token passes were slowed down by a neighbour
     noisy = CostModel([1, 2, 4, 8, 16], [1.7, 1.7, 0.05, 0.09, 0.2])

@@ -157,19 +157,27 @@ class LoadAwarePolicy(Policy):
 
     def _admit(self, survival: list[list[float]], other_tokens: int, draft_seconds: float) -> list[int]:
         """Prefix lengths per request: candidates (r, j) in descending survival[r][j] while
-        tau(B) / (SPS(B) time + drafter time) improves."""
+        tau(B) / (SPS(B) time + drafter time) improves.
+
+        Prompt tokens in the pass (other_tokens) run whether or not anything is drafted, so they
+        add to what a draft token costs (the table's slope where the pass runs) but not to what
+        an accepted one is worth: a committed token saves its share of a later decode-only step
+        of these R requests, cost(R) / R. Priced on the whole pass's time, every draft token
+        and the drafter pass itself looked nearly free beside a prompt chunk, and under a burst
+        of prompts the drafter ran through every prompt-carrying step at 32 requests."""
         R = len(survival)
         cands = sorted(((a, r, j) for r, row in enumerate(survival) for j, a in enumerate(row)),
                        key=lambda t: (-t[0], t[2]))
         lengths = [0] * R
-        tokens = R + other_tokens  # every request verifies its anchor; prefill rides along
-        tau = float(R)
-        plain = tau / self.cost(tokens)  # no drafter pass at all
-        best = tau / (self.cost(tokens) + draft_seconds)
+        ridden = R + other_tokens  # every request verifies its anchor; prefill rides along
+        base = self.cost(R) - self.cost(ridden)  # the pass's time on a decode-only basis
+        tau, tokens = float(R), ridden
+        plain = tau / self.cost(R)  # no drafter pass at all
+        best = tau / (self.cost(R) + draft_seconds)
         for a, r, j in cands:
             if j != lengths[r]:  # a prefix must be admitted in order
                 continue
-            theta = (tau + a) / (self.cost(tokens + 1) + draft_seconds)
+            theta = (tau + a) / (base + self.cost(tokens + 1) + draft_seconds)
             if theta <= best:
                 break
             lengths[r], tau, tokens, best = j + 1, tau + a, tokens + 1, theta

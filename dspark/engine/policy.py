@@ -11,6 +11,8 @@ load-aware  DSpark's confidence-scheduled verification (paper Algorithm 1): admi
             only on draft-time information, so the output distribution stays the target's.
             `last_gain` says how the best choice compares with not drafting at all, which
             the spec runner uses to stop drafting while speculation cannot pay.
+            Prompt tokens in the same pass add to a draft token's cost, never to an
+            accepted token's worth (a decode-only step's share of these requests).
             Trees go through the same admission: their nodes are candidates, in descending
             joint draft probability (an order in which a parent comes before its children).
 """

@@ -56,7 +56,7 @@ class SpecRunner:
         # the deepest drafter chain this step drafts and may verify (None: no cap; begin_step)
         self.chain_depth: int | None = None
         self._lookup_verdicts: dict[int, list] = {}  # rows -> _lookups_pay's last verdict there
-        self._paused_with: set[int] | None = None  # the decoding requests when this pause began
+        self._paused_with: set[int] | None = None  # the decoding requests of the pass that paused drafting
         self.passed = False  # whether this step's propose ran the proposer's pass
         self.verified = False  # ... and whether it proposed any token to verify
         # prefix caching shares pages, and with them the drafter's context at their slots: then
@@ -168,7 +168,7 @@ class SpecRunner:
         ids = {s.seq_id for s in seqs}
         if self.controller.skip_steps == 0:
             self._paused_with = None
-        elif self._paused_with is None:  # the requests whose text the pause was decided on
+        elif self._paused_with is None:  # paused without a pass of ours saying so (_propose)
             self._paused_with = ids
         new_text = self._paused_with is not None and not self._paused_with & ids
         self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs), new_text)
@@ -251,6 +251,8 @@ class SpecRunner:
         if neural:
             self.passed = True
             self.controller.record_pass(len(neural), time.perf_counter() - t0, len(seqs))
+            if self.controller.skip_steps > 0:  # this pass paused drafting: on these requests' text
+                self._paused_with = {s.seq_id for s in seqs}
             if not self.cfg.tree:
                 self.controller.record_width(max(len(out[s.seq_id].tokens) for s, _ in neural))
         if paused:  # a chain the policy cut to nothing leaves a plain step, as the pause would

@@ -41,9 +41,10 @@ def make(name: str) -> LLM:
         return LLM(drafter="none", kv_cache_tokens=8192)
     if name.startswith("fixed"):
         return LLM(kv_cache_tokens=8192, policy="fixed", block_size=int(name[5:]))
-    if name == "idle":
+    if name == "idle":  # paused as a real pause is: its context writes wait (skip_steps > 0)
         llm = LLM(kv_cache_tokens=8192)
         llm.engine.spec.controller.paused = lambda *a, **k: True
+        llm.engine.spec.controller.skip_steps = 10**9
         return llm
     base, _, suffix = name.partition("-")
     if base not in ("default", "steady") or suffix not in ("", "whole"):
@@ -56,15 +57,20 @@ def make(name: str) -> LLM:
         spec.proposer._block_length = lambda budgets: block  # noqa: SLF001 - the variant under test
         controller.draft_width = lambda budget: budget
     if base == "steady":
-        controller.paused = lambda *a, **k: False
-        record = controller.record_pass
-
-        def never_pausing(*a, **k) -> None:  # noqa: ANN002, ANN003
-            record(*a, **k)
-            controller.skip_steps = 0
-
-        controller.record_pass = never_pausing
+        never_pause(controller)
     return llm
+
+
+def never_pause(controller) -> None:  # noqa: ANN001 - a VerifyLengthController
+    """Every step drafts: no pause is taken, and none a pass would start is kept."""
+    controller.paused = lambda *a, **k: False
+    record = controller.record_pass
+
+    def never_pausing(*a, **k) -> None:  # noqa: ANN002, ANN003
+        record(*a, **k)
+        controller.skip_steps = 0
+
+    controller.record_pass = never_pausing
 
 
 def main() -> None:

@@ -4,9 +4,10 @@ all alike), and prints its output tok/s, ratio to the first variant and tau.
 
     .venv/bin/python scripts/fresh_engines_c1.py plain,old,default,steady 0 32
 
-Variants: plain (--drafter none); default; old (the default without trial passes on new text:
-hopeful_gain never pays); steady (the default never pausing). Arguments: variants, the first
-prompt's index in data/heldout_chat.jsonl, the number of prompts (64 tokens each, greedy).
+Variants (scripts/draft_depth_ab.py's engines): plain (--drafter none); default; old (the default
+without trial passes on new text: HOPEFUL_ACCEPTANCE 0, so hopeful_gain never pays); steady (the
+default never pausing). Arguments: variants, the first prompt's index in data/heldout_chat.jsonl,
+the number of prompts (64 tokens each, greedy).
 """
 
 from __future__ import annotations
@@ -16,30 +17,20 @@ import json
 import sys
 import time
 
+import draft_depth_ab  # this folder: run as a script, it is on sys.path
+
 from dspark.config import SamplingParams
 from dspark.llm import LLM
+
+# the variant names draft_depth_ab.make knows them by
+VARIANTS = {"old": "default:HOPEFUL_ACCEPTANCE=0"}
 
 
 def make(name: str) -> LLM:
     """One engine variant (see the module docstring)."""
-    if name == "plain":
-        return LLM(drafter="none")
-    if name not in ("default", "old", "steady"):
+    if name not in ("plain", "default", "old", "steady"):
         raise SystemExit(f"unknown variant {name!r}")
-    llm = LLM()
-    controller = llm.engine.spec.controller
-    if name == "old":
-        controller.hopeful_gain = lambda *a, **k: 0.0
-    if name == "steady":
-        controller.paused = lambda *a, **k: False
-        record = controller.record_pass
-
-        def never_pausing(*a, **k) -> None:  # noqa: ANN002, ANN003
-            record(*a, **k)
-            controller.skip_steps = 0
-
-        controller.record_pass = never_pausing
-    return llm
+    return draft_depth_ab.make(VARIANTS.get(name, name))
 
 
 def main() -> None:

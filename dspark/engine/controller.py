@@ -71,8 +71,8 @@ class VerifyLengthController:
         self.lost_at = 0  # drafting requests in the pass that last paused drafting
         self.trial_passes = 0  # passes left that try new text (paused): no pause before they run
         self.resumed = False  # a pause just ended: the next pass is a probe
-        # (requests, width) -> expected gain, until the next pass (width < 0: hopeful_gain's)
-        self.expected: dict[tuple[int, int], float] = {}
+        # (requests, width, acceptance or None) -> expected gain, until the next pass
+        self.expected: dict[tuple[int, int, float | None], float] = {}
         # (decoding requests, kind) -> [EMA of committed tokens per second, steps, EMA of its
         # square]; kind: True (a drafter pass), False (plain: nothing verified past the anchor),
         # "lookup" (a paused step that verified looked-up chains)
@@ -99,8 +99,7 @@ class VerifyLengthController:
             # in _remeasure_unsure_loss)
             self.skip_steps, self.gain, self.resumed = 0, 1.0, True
             self.trial_passes = self.NEW_TEXT_PASSES
-            if (D, True) in self.rates:
-                self.rates[D, True][1] = min(self.rates[D, True][1], 1)
+            self._restart_drafting_rate(D)
             return False
         gain = self._judged(self.expected_gain(R, width), D)
         if R < self.lost_at and gain >= 1.0:
@@ -216,24 +215,25 @@ class VerifyLengthController:
                 return max(low, min(belief, measured))
         return min(belief, measured)
 
-    def expected_gain(self, R: int, width: int) -> float:
+    def expected_gain(self, R: int, width: int, acceptance: float | None = None) -> float:
         """The policy's best throughput over plain decoding's for R requests whose drafts survive
-        at the running per-position acceptance rates (0 for policies that do not price steps)."""
-        if (R, width) not in self.expected:
-            prior = self.acceptance_prior(width).expand(R, width)
+        at the running per-position acceptance rates, or at `acceptance` at every position (0 for
+        policies that do not price steps)."""
+        key = (R, width, acceptance)
+        if key not in self.expected:
+            if acceptance is None:
+                prior = self.acceptance_prior(width).expand(R, width)
+            else:
+                prior = torch.full((R, width), acceptance)
             self.policy.choose([width] * R, prior, 0, self.estimated_draft_seconds(R))
-            self.expected[R, width] = getattr(self.policy, "last_gain", None) or 0.0
-        return self.expected[R, width]
+            self.expected[key] = getattr(self.policy, "last_gain", None) or 0.0
+        return self.expected[key]
 
     def hopeful_gain(self, R: int, width: int) -> float:
-        """expected_gain for R requests whose drafts survive each position at HOPEFUL_ACCEPTANCE:
-        below 1, drafting loses at this load on any text (the drafter pass and the extra rows
-        cost more than well-drafted text gives back), so no new text is worth a probe."""
-        if (R, -width) not in self.expected:
-            prior = torch.full((R, width), self.HOPEFUL_ACCEPTANCE)
-            self.policy.choose([width] * R, prior, 0, self.estimated_draft_seconds(R))
-            self.expected[R, -width] = getattr(self.policy, "last_gain", None) or 0.0
-        return self.expected[R, -width]
+        """expected_gain for drafts that survive each position at HOPEFUL_ACCEPTANCE: below 1,
+        drafting loses at this load on any text (the drafter pass and the extra rows cost more
+        than well-drafted text gives back), so no new text is worth a probe."""
+        return self.expected_gain(R, width, self.HOPEFUL_ACCEPTANCE)
 
     def draft_width(self, budget: int) -> int:
         """Tokens a drafter pass drafts for a request that may verify `budget`: one more than the
@@ -294,8 +294,14 @@ class VerifyLengthController:
         errors pauses again at once, as before."""
         bound = self.measured_gain_bound(D, True, errors=2.0)
         if belief >= 1.0 and bound is not None and bound >= 1.0:
-            self.rates[D, True][1] = 1
+            self._restart_drafting_rate(D)
             self.gain = max(self.gain, 1.0)
+
+    def _restart_drafting_rate(self, D: int) -> None:
+        """The drafting rate measured at D keeps its mean at one step's weight: the next
+        MEASURED_MIN drafting steps there decide again."""
+        if (D, True) in self.rates:
+            self.rates[D, True][1] = min(self.rates[D, True][1], 1)
 
     def choose(self, drafts: list[Draft], budgets: list[int], other_tokens: int,
                draft_seconds: float) -> list[Proposal]:

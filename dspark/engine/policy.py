@@ -171,11 +171,12 @@ class LoadAwarePolicy(Policy):
         cands = sorted(((a, r, j) for r, row in enumerate(survival) for j, a in enumerate(row)),
                        key=lambda t: (-t[0], t[2]))
         lengths = [0] * R
-        ridden = R + other_tokens  # every request verifies its anchor; prefill rides along
-        base = self.cost(R) - self.cost(ridden)  # the pass's time on a decode-only basis
-        tau, tokens = float(R), ridden
-        plain = tau / self.cost(R)  # no drafter pass at all
-        best = tau / (self.cost(R) + draft_seconds)
+        alone = self.cost(R)  # a decode-only pass of these requests
+        tokens = R + other_tokens  # every request verifies its anchor; prefill rides along
+        base = alone - self.cost(tokens)  # the pass's time on a decode-only basis
+        tau = float(R)
+        plain = tau / alone  # no drafter pass at all
+        best = tau / (alone + draft_seconds)
         for a, r, j in cands:
             if j != lengths[r]:  # a prefix must be admitted in order
                 continue

@@ -165,12 +165,14 @@ class SpecRunner:
         rooms = [b for b in map(self._room, seqs) if b > 0]
         if not rooms:
             return
-        ids = {s.seq_id for s in seqs}
+        new_text = False
         if self.controller.skip_steps == 0:
             self._paused_with = None
-        elif self._paused_with is None:  # paused without a pass of ours saying so (_propose)
-            self._paused_with = ids
-        new_text = self._paused_with is not None and not self._paused_with & ids
+        else:  # (a set of request ids only while paused: most steps under load are)
+            ids = {s.seq_id for s in seqs}
+            if self._paused_with is None:  # paused without a pass of ours saying so (_propose)
+                self._paused_with = ids
+            new_text = self._paused_with.isdisjoint(ids)
         self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs), new_text)
         if self.paused and self.lookups:
             # the prefill tokens are not planned yet: priced as none (propose checks again); and

@@ -294,3 +294,26 @@ def test_prompt_order_is_a_seeded_shuffle_of_the_whole_file_by_default(tmp_path:
     assert all({p[0] for p in level} == {"a", "b"} for level in shuffled)  # a mix at each level
     assert len({p for level in shuffled for p in level}) == 20  # no prompt twice
     assert levels("--prompt-order", "file") == [[f"a{i}" for i in range(10)], [f"a{i}" for i in range(10, 20)]]
+
+
+def test_a_sweep_split_into_one_call_per_level_sends_the_same_prompts(tmp_path: pathlib.Path) -> None:
+    """--first-level N: a call's first level sends what level N of one longer call sends, in
+    either prompt order (servers measured in alternation run one level at a time)."""
+    import argparse
+
+    from dspark.bench.serve_cli import _config, add_serve_bench_parser
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(25)), encoding="utf-8")
+    parser = add_serve_bench_parser(argparse.ArgumentParser().add_subparsers())
+
+    def config(*extra: str):
+        return _config(parser.parse_args(["--prompts", str(path), "--num-prompts", "4", *extra]))[0]
+
+    for order in ("shuffled", "file"):
+        whole = config("--concurrency", "1,2,4,8", "--prompt-order", order)
+        for k in range(4):
+            one = config("--concurrency", "1", "--first-level", str(k), "--prompt-order", order)
+            assert one.level_prompts(0) == whole.level_prompts(k)
+    with pytest.raises(ValueError, match="--first-level must be >= 0"):
+        config("--first-level", "-1")

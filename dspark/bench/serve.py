@@ -33,7 +33,9 @@ class ServeBenchConfig:
     concurrencies: one run per entry (None: no cap); rates: requests/s (math.inf: all at once).
     The runs are every (concurrency, rate) pair, concurrencies outermost. prompts: the pool the
     levels draw from, num_prompts (default: all of them) per level, level k from prompt
-    k * num_prompts on; same_prompts: every level sends the first num_prompts.
+    k * num_prompts on; same_prompts: every level sends the first num_prompts. first_level: the
+    first run sends level first_level's prompts (one call per level, as several servers measured
+    in alternation are, sends what one call over every level would).
     """
 
     base_url: str
@@ -41,6 +43,7 @@ class ServeBenchConfig:
     concurrencies: list[int | None]
     num_prompts: int | None = None
     same_prompts: bool = False
+    first_level: int = 0
     rates: list[float] = dataclasses.field(default_factory=lambda: [math.inf])
     endpoint: str = CHAT
     max_tokens: int = 128
@@ -60,7 +63,7 @@ class ServeBenchConfig:
 
     def level_prompts(self, level: int) -> list[str]:
         """The prompts load level ``level`` (0, 1, ...) sends."""
-        start = 0 if self.same_prompts else level * self.per_level
+        start = 0 if self.same_prompts else (self.first_level + level) * self.per_level
         return [self.prompts[(start + i) % len(self.prompts)] for i in range(self.per_level)]
 
     @property
@@ -146,6 +149,7 @@ async def run_serve_bench_async(cfg: ServeBenchConfig) -> dict[str, Any]:
     return {"mode": "serve", "label": cfg.label or default_label(info), "date": date,
             "base_url": cfg.base_url, "endpoint": cfg.endpoint, **info, "num_prompts": cfg.per_level,
             "prompts_per_level": "same" if cfg.same_prompts else "distinct", "prompt_pool": len(cfg.prompts),
+            "first_level": cfg.first_level,
             "prompt_order": cfg.prompt_order,
             "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos,
             "warmup": cfg.warmup, "seed": cfg.seed, "runs": runs}

@@ -67,6 +67,9 @@ def add_serve_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                         "file has too few (default 32)")
     p.add_argument("--same-prompts", action="store_true",
                    help="every load level sends the file's first --num-prompts prompts")
+    p.add_argument("--first-level", type=int, default=0,
+                   help="the first load level sends the prompts of level N of a longer sweep (0-based), so a "
+                        "sweep split into one call per level sends what one call would (default 0)")
     p.add_argument("--prompt-order", default="shuffled", choices=["shuffled", "file"],
                    help="shuffled (default): the file's prompts in an order drawn with --seed, so that every "
                         "level gets a like mix of a file sorted by category (as vLLM's benchmark samples "
@@ -108,7 +111,7 @@ def _config(args: argparse.Namespace):
     from dspark.bench.serve import ServeBenchConfig
     from dspark.cli import check_at_least, check_output_path
 
-    check_at_least(args, num_prompts=1, max_tokens=1, warmup=0)
+    check_at_least(args, num_prompts=1, max_tokens=1, warmup=0, first_level=0)
     check_output_path(args.output)
     check_output_path(args.plot)
     rates = parse_rates(args.request_rate)
@@ -119,7 +122,7 @@ def _config(args: argparse.Namespace):
     path = args.prompts or default_prompts_path()
     if path is None:
         raise FileNotFoundError("no default prompts file (../shared/data/dev_prompts.jsonl); pass --prompts")
-    levels = 1 if args.same_prompts else len(concurrencies) * len(rates)
+    levels = 1 if args.same_prompts else args.first_level + len(concurrencies) * len(rates)
     if args.prompt_order == "shuffled":  # drawn from the whole file, then each level's in turn
         prompts = load_prompts(path, sys.maxsize, args.category)
         random.Random(args.seed).shuffle(prompts)
@@ -129,6 +132,7 @@ def _config(args: argparse.Namespace):
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or os.environ.get("OPENAI_API_KEY")
     cfg = ServeBenchConfig(base_url=args.url.rstrip("/"), prompts=prompts, concurrencies=concurrencies,
                            num_prompts=args.num_prompts, same_prompts=args.same_prompts,
+                           first_level=0 if args.same_prompts else args.first_level,
                            rates=rates, endpoint=ENDPOINTS[args.endpoint], max_tokens=args.max_tokens,
                            temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup,
                            model=args.model, api_key=api_key, timeout=args.timeout, seed=args.seed,

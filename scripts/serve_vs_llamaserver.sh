@@ -52,12 +52,13 @@ label_of() {  # row -> the label of its reports
 start() {  # row, port: that row's server in the background, its pid in STARTED
   local label
   label=$(label_of "$1") || exit 2
-  case $1 in
+  if curl -sf "localhost:$2/health" > /dev/null; then echo "port $2 already serves: stop that server" >&2; exit 1; fi
+  case $1 in  # exec: the background pid is the server's own
     # shellcheck disable=SC2086  # EXTRA holds several flags
-    default) "$HERE/.venv/bin/dspark" serve "${MODEL_ARGS[@]}" --port "$2" $EXTRA ;;
+    default) exec "$HERE/.venv/bin/dspark" serve "${MODEL_ARGS[@]}" --port "$2" $EXTRA ;;
     # shellcheck disable=SC2086
-    none) "$HERE/.venv/bin/dspark" serve "${MODEL_ARGS[@]}" --drafter none --port "$2" $EXTRA ;;
-    llama) "$BIN/llama-server" -m "$FILE" --port "$2" -np "$SLOTS" -c $((SLOTS * 1024)) -t "$(nproc)" ;;
+    none) exec "$HERE/.venv/bin/dspark" serve "${MODEL_ARGS[@]}" --drafter none --port "$2" $EXTRA ;;
+    llama) exec "$BIN/llama-server" -m "$FILE" --port "$2" -np "$SLOTS" -c $((SLOTS * 1024)) -t "$(nproc)" ;;
   esac > "$OUT/$label.server.log" 2>&1 &
   STARTED=$!
 }

@@ -91,8 +91,8 @@ if [ "$PAIRED" != 1 ]; then
 fi
 
 pids=()
-for i in "${!rows[@]}"; do start "${rows[$i]}" $((PORT + i)); pids+=("$STARTED"); done
-for i in "${!rows[@]}"; do
+for i in "${!rows[@]}"; do  # one at a time: a start-up cost profile taken beside another is skewed
+  start "${rows[$i]}" $((PORT + i)); pids+=("$STARTED")
   wait_up $((PORT + i)) || { echo "${rows[$i]} did not come up" >&2; kill "${pids[@]}"; exit 1; }
 done
 IFS=, read -r -a levels <<< "$LEVELS"

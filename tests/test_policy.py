@@ -407,6 +407,29 @@ def test_unreadable_cost_profile_is_measured_again(stored, tmp_path, monkeypatch
     assert [p.name for p in tmp_path.iterdir()] == ["cost-k.json"]  # no temporary file left
 
 
+def test_a_burst_of_other_work_during_the_profile_slows_no_token_count_alone(monkeypatch):
+    """The start-up profile sweeps the ladder repeatedly: a burst of other work lasting a few
+    passes (another server starting beside this one) costs one sample of several token counts,
+    and every count keeps its fastest, where timing each count's repeats back to back put the
+    whole burst on one count (a price the policy would then never try, so never correct)."""
+    from dspark.engine import profile
+
+    clock, calls = [0.0], [0]
+
+    def forward(items, rows, capture):
+        calls[0] += 1
+        burst = 20.0 if 30 <= calls[0] < 34 else 1.0  # four passes in a row, 20 times slower
+        clock[0] += burst * (0.005 + 0.001 * len(rows))
+
+    pool = SimpleNamespace(num_free=10_000, page_size=16, reserve=lambda *a: None, free=lambda *a: None)
+    engine = SimpleNamespace(pool=pool, device=torch.device("cpu"), runner=SimpleNamespace(forward=forward),
+                             spec=SimpleNamespace(capture_layers=()))
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])
+    cost = profile.measure(engine)
+    assert cost.tokens == profile.LADDER
+    assert cost.seconds == pytest.approx([0.005 + 0.001 * n for n in profile.LADDER])
+
+
 def test_cost_profile_fits_a_small_kv_cache(folders, tmp_path, monkeypatch):
     """A load-aware engine whose KV cache is too small for the full start-up profile (16 sequences
     of 64 cached tokens) measures what fits instead of failing to start."""

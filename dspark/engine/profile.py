@@ -32,7 +32,7 @@ def _key(engine) -> str:
     stack = hasattr(ops, "decode_stack")  # a pass in one C++ call costs less
     # and the kernels' sources: a profile measured by other kernels prices other passes
     src = cpu_ops.sources_digest() if ops is not None else None
-    raw = (f"v8|kernels={kernels}|stack={stack}|src={src}|{engine.model_path}|{engine.device}|{engine.dtype}"
+    raw = (f"v9|kernels={kernels}|stack={stack}|src={src}|{engine.model_path}|{engine.device}|{engine.dtype}"
            f"|{torch.get_num_threads()}"
            f"|{engine.attn.name}|graphs={bool(engine.runner.graphs)}|fit={_fit(engine.pool, LADDER)}"
            f"|linears={','.join(sorted(engine.quantization))}|tp={engine.config.tensor_parallel_size}")
@@ -57,32 +57,37 @@ def measure(engine, ladder: list[int] = LADDER, repeats: int = 3) -> CostModel:
     """Fastest of `repeats` target passes with n tokens spread over up to 16 short sequences
     (on a shared machine noise only adds time; CostModel caps what is still out of order).
     Every row gets logits and the drafter's feature layers are captured, as in a real step (the
-    LM head is a large share), so the same forwards take CUDA graphs where the engine has them."""
+    LM head is a large share), so the same forwards take CUDA graphs where the engine has them.
+    The ladder is swept whole `repeats` times after one unmeasured sweep, rather than one token
+    count `repeats` times in a row: a burst of other work (another server starting beside this
+    one) then slows one pass of several token counts, not every pass of one, whose inflated
+    price the policy would never try and so never correct."""
     nseq, ctx, ladder = _fit(engine.pool, ladder)
     seqs = [Sequence(seq_id=-1 - i, request_id=f"profile-{i}", prompt_ids=[0] * ctx,
                      params=SamplingParams(), generator=None, eos_ids=frozenset()) for i in range(nseq)]
-    seconds = []
+    times: list[list[float]] = [[] for _ in ladder]
     try:
         for s in seqs:
             engine.pool.reserve(s.seq_id, ctx + -(-max(ladder) // nseq))
             s.num_cached = ctx
+        batches = []
         for n in ladder:
             per = [n // nseq + (i < n % nseq) for i in range(nseq)]
-            items = [(s, [0] * k) for s, k in zip(seqs, per) if k]
-            times = []
-            for _ in range(repeats + 1):
+            batches.append([(s, [0] * k) for s, k in zip(seqs, per) if k])
+        for sweep in range(repeats + 1):
+            for n, items, out in zip(ladder, batches, times):
                 if engine.device.type == "cuda":
                     torch.cuda.synchronize()
                 t = time.perf_counter()
                 engine.runner.forward(items, list(range(n)), capture=engine.spec.capture_layers)
                 if engine.device.type == "cuda":
                     torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            seconds.append(min(times[1:]))
+                if sweep:  # the first sweep sets up each shape
+                    out.append(time.perf_counter() - t)
     finally:
         for s in seqs:
             engine.pool.free(s.seq_id)
-    return CostModel(list(ladder), seconds)
+    return CostModel(list(ladder), [min(t) for t in times])
 
 
 # Token counts a cached profile is checked at on every start, and how far (either way) a fresh

@@ -230,6 +230,15 @@ def test_a_pause_ends_for_a_few_trial_passes_once_its_text_has_left():
     c.record_pass(1, 0.01)
     assert c.skip_steps > 0  # then the running gain pauses drafting again
 
+    # under load one pass holds as many requests' confidences as the four at one request: new
+    # text there gets that one pass, and its loss pauses drafting at once
+    assert [c.trial_passes_at(R) for R in (1, 2, 4, 8)] == [4, 2, 1, 0]
+    c.skip_steps = c.backoff = c.MAX_BACKOFF
+    assert not c.paused(8, 4, 8, new_text=True) and c.trial_passes == 0
+    c.policy.last_gain = 0.7  # the pass's own belief
+    c.record_pass(8, 0.01, decodes=8)
+    assert c.skip_steps > 0
+
     hopeless = VerifyLengthController(_ByConfidence(), SpecStats())
     hopeless.HOPEFUL_ACCEPTANCE = 0.5  # even text drafted well would not pay at this load
     hopeless.skip_steps = hopeless.backoff = hopeless.MAX_BACKOFF

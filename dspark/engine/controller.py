@@ -52,8 +52,9 @@ class VerifyLengthController:
     DRAFT_TIME_EMA, DRAFT_TIME_EMA_DOWN = 0.2, 0.5
     # drafter passes whose longest verified chain bounds how deep the next pass drafts
     WIDTH_WINDOW = 32
-    # the per-position acceptance of text the drafter does well on (hopeful_gain), and the drafter
-    # passes that try new text before the running gain may pause drafting again
+    # the per-position acceptance of text the drafter does well on (hopeful_gain), and the
+    # request-passes that try new text before the running gain may pause drafting again (a pass
+    # over R requests is R of them: trial_passes_at)
     HOPEFUL_ACCEPTANCE, NEW_TEXT_PASSES = 0.7, 4
 
     def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False, free_drafts: bool = False):
@@ -94,11 +95,11 @@ class VerifyLengthController:
             # what paused drafting was measured on text that has left: the drafting rate at D and
             # the running acceptance only move while drafting runs, so a few hard tokens at a
             # request's start kept a fresh server at one request from drafting for hundreds of
-            # steps. NEW_TEXT_PASSES passes, judged by their own confidences (one pass's belief
-            # spreads too widely to decide); the measured rate restarts at one step's weight (as
-            # in _remeasure_unsure_loss)
+            # steps. Trial passes, judged by their own confidences (one request's belief spreads
+            # too widely to decide); the measured rate restarts at one step's weight (as in
+            # _remeasure_unsure_loss)
             self.skip_steps, self.gain, self.resumed = 0, 1.0, True
-            self.trial_passes = self.NEW_TEXT_PASSES
+            self.trial_passes = self.trial_passes_at(R)
             self._restart_drafting_rate(D)
             return False
         gain = self._judged(self.expected_gain(R, width), D)
@@ -228,6 +229,14 @@ class VerifyLengthController:
             self.policy.choose([width] * R, prior, 0, self.estimated_draft_seconds(R))
             self.expected[key] = getattr(self.policy, "last_gain", None) or 0.0
         return self.expected[key]
+
+    def trial_passes_at(self, R: int) -> int:
+        """Drafter passes over R requests that new text runs before its running gain may pause
+        drafting: NEW_TEXT_PASSES request-passes' worth. A pass's belief averages its requests'
+        confidences, so one pass over four or more says as much as four over one; under load,
+        where the drafter pass and the rows are what lose, each extra trial pass drafted at a
+        loss after every wave of requests had left a pause behind."""
+        return self.NEW_TEXT_PASSES // max(1, R)
 
     def hopeful_gain(self, R: int, width: int) -> float:
         """expected_gain for drafts that survive each position at HOPEFUL_ACCEPTANCE: below 1,

@@ -245,6 +245,22 @@ def test_a_pause_ends_for_a_few_trial_passes_once_its_text_has_left():
     assert hopeless.paused(1, 4, 1, new_text=True) and hopeless.skip_steps == hopeless.MAX_BACKOFF - 1
 
 
+def test_no_pause_ends_while_prompts_wait():
+    """A step beside prompts waiting to be prefilled keeps a pause, without counting it down or
+    starting a trial on new text: drafting would reserve each decode's chain and slice the
+    prompts thinner. The next step without them ends the pause as it would have."""
+    c = VerifyLengthController(_ByConfidence(), SpecStats())
+    c.skip_steps = c.backoff = c.MAX_BACKOFF
+    for _ in range(3):
+        assert c.paused(1, 4, 1, new_text=True, prompts_waiting=True)
+    assert c.skip_steps == c.MAX_BACKOFF and c.trial_passes == 0
+    assert not c.paused(1, 4, 1, new_text=True) and c.trial_passes == c.NEW_TEXT_PASSES
+    c.skip_steps, c.lost_at = 1, 8  # fewer requests than when drafting lost: resumed, unless prompts wait
+    c.expected[(2, 4, None)] = 1.5
+    assert c.paused(2, 4, 2, prompts_waiting=True) and c.skip_steps == 1
+    assert not c.paused(2, 4, 2)
+
+
 def test_a_measured_win_beyond_its_noise_outweighs_a_doubtful_belief():
     """Drafting steps measured paying beyond one standard error keep drafting on at that load
     while the policy reads each pass as a loss; at a load with no measured win, and with the

@@ -79,7 +79,8 @@ def _run(engine, prompts, sp, arrive=None, each_step=None) -> list[list[int]]:
 def test_paused_steps_run_no_drafter_work(folders, fresh, monkeypatch):
     """Paused steps: no drafter forward, no context write, one-token chains, one slot charged per
     decoding request (a prompt arriving meanwhile gets the rest of the budget, as without a
-    drafter); the pause's last step writes every queued row in one call, and the next step
+    drafter; the pause does not count down while it prefills); the pause's last step writes
+    every queued row in one call, and the next step
     drafts from a context equal to a fresh computation."""
     budget, pause = 64, 6
     engine = make_engine(folders["target"], folders["dspark"], ngram_assist=0, max_num_batched_tokens=budget)
@@ -97,8 +98,9 @@ def test_paused_steps_run_no_drafter_work(folders, fresh, monkeypatch):
     assert forwards  # drafting ran before the pause
     _pause(engine, pause)
     engine.add_request("p3", prompts[3], dataclasses.replace(sp))  # prefills during the pause
-    queued, left = 0, len(prompts[3])
-    for k in range(pause):
+    queued, left, steps = 0, len(prompts[3]), 0
+    while True:  # the pause counts down on the steps without a prompt to prefill (p3's do not)
+        steps += 1
         forwards.clear(), writes.clear(), passes.clear()
         decoding = [s for s in engine.running if not s.in_prefill]
         engine.step()
@@ -111,9 +113,10 @@ def test_paused_steps_run_no_drafter_work(folders, fresh, monkeypatch):
         # the features are captured and queued for the catch-up, not written
         assert kwargs["capture"] == engine.spec.capture_layers
         queued += sum(len(t) for _, t in items)
-        if k < pause - 1:
-            assert not writes and engine.spec.proposer.context.pending_rows == queued
-    assert left == 0
+        if engine.spec.controller.skip_steps == 0:
+            break
+        assert not writes and engine.spec.proposer.context.pending_rows == queued
+    assert left == 0 and steps == pause + -(-len(prompts[3]) // (budget - 3))
     assert len(writes) == 1 and writes[0][0][0].shape[0] == queued  # the catch-up: one batched write
     assert not engine.spec.proposer.context.pending
 
@@ -218,6 +221,20 @@ def test_paused_steps_look_nothing_up_while_prompts_wait(folders, monkeypatch):
     waiting = [(res, n) for w, res, n in looked if w and res]
     assert waiting and all(set(res) == {1} and n == 0 for res, n in waiting)
     assert sum(n for w, res, n in looked if not w) > 0  # lookups go on once the prompts are in
+
+
+def test_a_queue_held_back_by_max_num_seqs_is_no_prompt_waiting(folders):
+    """Requests queued behind max_num_seqs slice no prompt until one finishes, so the steps
+    meanwhile keep what a step without prompts may do (end a pause, look chains up)."""
+    engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", max_num_seqs=2)
+    for i, p in enumerate(alphabet_prompts([15, 20, 31], seed=6)):
+        engine.add_request(f"r{i}", p, dataclasses.replace(GREEDY, max_tokens=40))
+    assert engine.planner.prompts_waiting
+    while any(s.in_prefill for s in engine.running) or len(engine.running) < 2:
+        engine.step()
+    assert engine.planner.waiting and not engine.planner.prompts_waiting
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_requests_that_never_draft_keep_no_context(folders, monkeypatch):

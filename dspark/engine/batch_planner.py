@@ -46,8 +46,12 @@ class BatchPlanner:
 
     @property
     def prompts_waiting(self) -> bool:
-        """Whether a request waits for admission or is still prefilling its prompt."""
-        return bool(self.waiting) or any(s.in_prefill for s in self.running)
+        """Whether this step may prefill a prompt: a running request is still prefilling, or one
+        waits while there is room to admit it (a queue held back by max_num_seqs waits for a
+        request to finish, and slices no prompt meanwhile)."""
+        if any(s.in_prefill for s in self.running):
+            return True
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
 
     def plan(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """(decoding requests, [(prefilling request, tokens this step)]), pages reserved."""

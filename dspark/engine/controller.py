@@ -82,15 +82,24 @@ class VerifyLengthController:
         self.lookup_skips: dict[int, int] = {}  # where lookups lose: paused steps since they were tried
         self.widths: collections.deque[int] = collections.deque(maxlen=self.WIDTH_WINDOW)
 
-    def paused(self, R: int = 1, width: int = 1, decodes: int | None = None, new_text: bool = False) -> bool:
+    def paused(self, R: int = 1, width: int = 1, decodes: int | None = None, new_text: bool = False,
+               prompts_waiting: bool = False) -> bool:
         """Whether this step, with R requests that could draft up to width tokens (of `decodes`
         decoding requests), drafts nothing (counts the paused step). new_text: every request
-        that was decoding when this pause began has left."""
+        that was decoding when this pause began has left. prompts_waiting: prompts wait to be
+        prefilled beside the decodes."""
         D = decodes or R
         if self.skip_steps == 0:
             # a plain step to measure against, only under a policy that prices steps (fixed and
             # threshold verify what they are told)
             return hasattr(self.policy, "last_gain") and self._plain_due(D, True)
+        if prompts_waiting:
+            # no pause ends (nor counts down) while prompts wait: a drafting step reserves and
+            # prices every decode's chain, so the planner slices the prompts thinner (more steps
+            # that stall the decodes, later first tokens) for drafts that the policy, pricing
+            # them beside the prompt rows, mostly cuts; a burst's ramp ended a pause left by the
+            # last burst's requests and halved its prompt chunks
+            return True
         if new_text and self.hopeful_gain(R, width) >= 1.0:
             # what paused drafting was measured on text that has left: the drafting rate at D and
             # the running acceptance only move while drafting runs, so a few hard tokens at a

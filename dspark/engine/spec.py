@@ -173,7 +173,7 @@ class SpecRunner:
             if self._paused_with is None:  # paused without a pass of ours saying so (_propose)
                 self._paused_with = ids
             new_text = self._paused_with.isdisjoint(ids)
-        self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs), new_text)
+        self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs), new_text, prompts_waiting)
         if self.paused and self.lookups:
             # the prefill tokens are not planned yet: priced as none (propose checks again); and
             # what paused steps that verified lookups measured at this load

@@ -85,9 +85,9 @@ class VerifyLengthController:
     def paused(self, R: int = 1, width: int = 1, decodes: int | None = None, new_text: bool = False,
                prompts_waiting: bool = False) -> bool:
         """Whether this step, with R requests that could draft up to width tokens (of `decodes`
-        decoding requests), drafts nothing (counts the paused step). new_text: every request
-        that was decoding when this pause began has left. prompts_waiting: prompts wait to be
-        prefilled beside the decodes."""
+        decoding requests), drafts nothing (counts the paused step, unless prompts_waiting: prompts
+        wait to be prefilled beside the decodes, and the pause holds). new_text: every request
+        that was decoding when this pause began has left."""
         D = decodes or R
         if self.skip_steps == 0:
             # a plain step to measure against, only under a policy that prices steps (fixed and
@@ -97,8 +97,8 @@ class VerifyLengthController:
             # no pause ends (nor counts down) while prompts wait: a drafting step reserves and
             # prices every decode's chain, so the planner slices the prompts thinner (more steps
             # that stall the decodes, later first tokens) for drafts that the policy, pricing
-            # them beside the prompt rows, mostly cuts; a burst's ramp ended a pause left by the
-            # last burst's requests and halved its prompt chunks
+            # them beside the prompt rows, mostly cuts (a burst's ramp ended the pause that the
+            # last burst's requests had left, and its prompts went in thin slices)
             return True
         if new_text and self.hopeful_gain(R, width) >= 1.0:
             # what paused drafting was measured on text that has left: the drafting rate at D and

@@ -89,15 +89,28 @@ def main() -> None:
     if a.shuffle is not None:  # the file is sorted by category: a seeded mix of all of them
         random.Random(a.shuffle).shuffle(prompts)
     sp = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    waves = [prompts[w * a.batch:(w + 1) * a.batch] for w in range(a.waves + 1)]
+    measure(engines, waves, sp, warm_up=True, rotate=False)
+
+
+def measure(engines: dict[str, LLM], waves: list[list[str]], sp: SamplingParams, warm_up: bool,
+            rotate: bool) -> None:
+    """Each wave of prompts (chat messages) through every engine in turn, the order flipping every
+    wave (rotate: rotating by one, for more than two engines); warm_up: the first wave is not
+    measured. Prints each engine's output tok/s, its ratio to the first engine's, and its tau."""
+    names = list(engines)
     seconds, tokens, steps = collections.defaultdict(float), collections.Counter(), collections.Counter()
-    for w in range(a.waves + 1):
-        wave = [[{"role": "user", "content": p}] for p in prompts[w * a.batch:(w + 1) * a.batch]]
-        for n in names if w % 2 == 0 else names[::-1]:
+    for w, wave in enumerate(waves):
+        if rotate:
+            order = names[w % len(names):] + names[:w % len(names)]
+        else:
+            order = names if w % 2 == 0 else names[::-1]
+        for n in order:
             eng = engines[n].engine
             s0, g0 = eng.spec_stats.steps, eng.spec_stats.generated
             t = time.perf_counter()
-            engines[n].generate(wave, sp)
-            if w:  # the first wave warms every engine up
+            engines[n].generate([[{"role": "user", "content": p}] for p in wave], sp)
+            if w or not warm_up:
                 seconds[n] += time.perf_counter() - t
                 tokens[n] += eng.spec_stats.generated - g0
                 steps[n] += eng.spec_stats.steps - s0

@@ -12,10 +12,8 @@ the number of prompts (64 tokens each, greedy).
 
 from __future__ import annotations
 
-import collections
 import json
 import sys
-import time
 
 import draft_depth_ab  # this folder: run as a script, it is on sys.path
 
@@ -40,20 +38,8 @@ def main() -> None:
     with open("data/heldout_chat.jsonl", encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f][start:start + count]
     sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    seconds, tokens, steps = collections.Counter(), collections.Counter(), collections.Counter()
-    for i, p in enumerate(prompts):
-        for n in names[i % len(names):] + names[:i % len(names)]:
-            eng = engines[n].engine
-            s0, g0 = eng.spec_stats.steps, eng.spec_stats.generated
-            t = time.perf_counter()
-            engines[n].generate([[{"role": "user", "content": p}]], sp)
-            seconds[n] += time.perf_counter() - t
-            tokens[n] += eng.spec_stats.generated - g0
-            steps[n] += eng.spec_stats.steps - s0
-    first = tokens[names[0]] / seconds[names[0]]
-    for n in names:
-        rate = tokens[n] / seconds[n]
-        print(f"{n}: {rate:.1f} tok/s ({rate / first:.3f}x {names[0]}), tau {tokens[n] / max(1, steps[n]):.2f}")
+    # one prompt a wave, every one measured: the engines stay fresh for the first
+    draft_depth_ab.measure(engines, [[p] for p in prompts], sp, warm_up=False, rotate=True)
 
 
 if __name__ == "__main__":

@@ -245,6 +245,47 @@ def test_a_pause_ends_for_a_few_trial_passes_once_its_text_has_left():
     assert hopeless.paused(1, 4, 1, new_text=True) and hopeless.skip_steps == hopeless.MAX_BACKOFF - 1
 
 
+def test_new_text_that_lost_under_load_skips_the_next_trials():
+    """A trial on new text over several requests that ends in a pause skips the next new-text
+    events at that load and above (1, then 2, ... in a row), counted as paused steps; a trial
+    that drafts on clears the losses at its load and below. At one request a trial always runs."""
+    c = VerifyLengthController(_ByConfidence(), SpecStats())
+    c.record_pass(8, 0.6)
+    c.record_pass(8, 0.01)
+
+    def lose_a_trial(R: int) -> None:
+        c.skip_steps = c.backoff = c.MAX_BACKOFF
+        assert not c.paused(R, 4, R, new_text=True) and c.text_probe == R
+        c.policy.last_gain = 0.7  # the trial pass's own belief: a loss
+        c.record_pass(R, 0.01, decodes=R)
+        assert c.skip_steps > 0 and c.text_probe is None
+
+    lose_a_trial(6)
+    assert c.text_losses == {6: [1, 1]}
+    left = c.skip_steps
+    assert c.paused(8, 4, 8, new_text=True) and c.declined_text  # more requests: skipped too
+    assert c.skip_steps == left - 1  # a paused step like any other
+    assert not c.paused(4, 4, 4, new_text=True)  # fewer requests: no loss known there
+    c.policy.last_gain = 0.7
+    c.record_pass(4, 0.01, decodes=4)
+    c.trial_passes = 0
+    c.record_pass(4, 0.01, decodes=4)
+    assert c.text_losses == {4: [1, 1], 6: [0, 1]}  # the one event at 6 was passed over
+
+    lose_a_trial(6)  # a second loss in a row there: two events skipped
+    assert c.text_losses[6] == [2, 2]
+    assert c.paused(6, 4, 6, new_text=True) and c.paused(6, 4, 6, new_text=True)
+    assert not c.paused(6, 4, 6, new_text=True)  # the third runs
+    c.policy.last_gain = 1.5  # and drafts on
+    c.record_pass(6, 0.01, decodes=6)
+    assert c.skip_steps == 0 and c.text_losses == {}  # the losses at 6 and below are cleared
+
+    one = VerifyLengthController(_ByConfidence(), SpecStats())
+    one.text_losses[1] = [4, 4]  # (never recorded at one request; ignored there all the same)
+    one.skip_steps = one.backoff = one.MAX_BACKOFF
+    assert not one.paused(1, 4, 1, new_text=True)
+
+
 def test_no_pause_ends_while_prompts_wait():
     """A step beside prompts waiting to be prefilled keeps a pause, without counting it down or
     starting a trial on new text: drafting would reserve each decode's chain and slice the

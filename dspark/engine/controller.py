@@ -10,7 +10,10 @@ instead of confidences and the drafter's measured time, also gives an expected g
 pass: where it is below 1 when a pause runs out, the pause doubles without a probe pass (until
 MAX_BACKOFF, then a real probe); where it is 1 or more and fewer requests draft than when
 drafting last lost, the pause ends at once. So the back-off can be long under steady load without
-keeping a load that fell from speculating.
+keeping a load that fell from speculating. Once every request a pause began with has left, new
+text may get trial passes (text that paused drafting is no verdict on other text); where such
+trials over several requests pause again, the next new text at that load starts none, for a
+back-off of its own.
 
 The policy's gain is a belief: the drafts' confidences priced by a cost model that a shared
 machine's drift can leave behind. So the controller also measures, per number of decoding
@@ -56,6 +59,9 @@ class VerifyLengthController:
     # request-passes that try new text before the running gain may pause drafting again (a pass
     # over R requests is R of them: trial_passes_at)
     HOPEFUL_ACCEPTANCE, NEW_TEXT_PASSES = 0.7, 4
+    # where new text's trial passes over several requests ended in a pause, the next new-text
+    # events at that load (or more requests) start no trial: 1, 2, 4, ... of them, up to this
+    MAX_TEXT_SKIPS = 16
 
     def __init__(self, policy: Policy | None, stats: SpecStats, tree: bool = False, free_drafts: bool = False):
         self.policy, self.stats, self.tree = policy, stats, tree
@@ -72,6 +78,11 @@ class VerifyLengthController:
         self.lost_at = 0  # drafting requests in the pass that last paused drafting
         self.trial_passes = 0  # passes left that try new text (paused): no pause before they run
         self.resumed = False  # a pause just ended: the next pass is a probe
+        self.text_probe: int | None = None  # requests of the new-text trial being judged
+        # requests (two or more) -> [new-text events still to skip, their back-off]: where a trial
+        # on new text paused drafting again (skip_text)
+        self.text_losses: dict[int, list[int]] = {}
+        self.declined_text = False  # the last paused() passed over new text (skip_text)
         # (requests, width, acceptance or None) -> expected gain, until the next pass
         self.expected: dict[tuple[int, int, float | None], float] = {}
         # (decoding requests, kind) -> [EMA of committed tokens per second, steps, EMA of its
@@ -89,6 +100,7 @@ class VerifyLengthController:
         wait to be prefilled beside the decodes, and the pause holds). new_text: every request
         that was decoding when this pause began has left."""
         D = decodes or R
+        self.declined_text = False
         if self.skip_steps == 0:
             # a plain step to measure against, only under a policy that prices steps (fixed and
             # threshold verify what they are told)
@@ -100,7 +112,9 @@ class VerifyLengthController:
             # them beside the prompt rows, mostly cuts (a burst's ramp ended the pause that the
             # last burst's requests had left, and its prompts went in thin slices)
             return True
-        if new_text and self.hopeful_gain(R, width) >= 1.0:
+        if new_text and self.hopeful_gain(R, width) >= 1.0 and self.skip_text(R):
+            self.declined_text = True  # counted as a paused step below
+        elif new_text and self.hopeful_gain(R, width) >= 1.0:
             # what paused drafting was measured on text that has left: the drafting rate at D and
             # the running acceptance only move while drafting runs, so a few hard tokens at a
             # request's start kept a fresh server at one request from drafting for hundreds of
@@ -109,6 +123,7 @@ class VerifyLengthController:
             # _remeasure_unsure_loss)
             self.skip_steps, self.gain, self.resumed = 0, 1.0, True
             self.trial_passes = self.trial_passes_at(R)
+            self.text_probe = R
             self._restart_drafting_rate(D)
             return False
         gain = self._judged(self.expected_gain(R, width), D)
@@ -247,6 +262,37 @@ class VerifyLengthController:
         loss after every wave of requests had left a pause behind."""
         return self.NEW_TEXT_PASSES // max(1, R)
 
+    def skip_text(self, R: int) -> bool:
+        """Whether new text at R requests starts no trial (counting the event as passed over): a
+        trial over two or more requests that ended in a pause, at R or fewer requests, skips the
+        next new-text events, twice as many after each such trial in a row. Under load the
+        hopeful acceptance prices a pass that the catch-up of the paused context and the drafter
+        pass make a loss on most text, and every wave of requests leaving a pause behind tried it
+        again; one request's text is a single sample, so a trial there always runs."""
+        below = [r for r in self.text_losses if r <= R]
+        if R < 2 or not below:
+            return False
+        record = self.text_losses[max(below)]
+        if record[0] == 0:
+            return False
+        record[0] -= 1
+        return True
+
+    def _judge_text(self, paused: bool) -> None:
+        """A new-text trial's outcome, once its trial passes ran: paused again (a loss there
+        and at more requests, skip_text) or drafting on (which clears the losses at its load
+        and fewer requests)."""
+        R, self.text_probe = self.text_probe, None
+        if R is None or R < 2:
+            return
+        if paused:
+            record = self.text_losses.setdefault(R, [0, 0])
+            record[1] = min(max(1, 2 * record[1]), self.MAX_TEXT_SKIPS)
+            record[0] = record[1]
+        else:
+            for r in [r for r in self.text_losses if r <= R]:
+                del self.text_losses[r]
+
     def hopeful_gain(self, R: int, width: int) -> float:
         """expected_gain for drafts that survive each position at HOPEFUL_ACCEPTANCE: below 1,
         drafting loses at this load on any text (the drafter pass and the extra rows cost more
@@ -297,8 +343,10 @@ class VerifyLengthController:
         elif self.gain < 1.0:
             self.skip_steps, self.lost_at = self.backoff, R
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+            self._judge_text(paused=True)
         else:
             self.backoff = self.MIN_BACKOFF
+            self._judge_text(paused=False)
 
     def _remeasure_unsure_loss(self, D: int, belief: float) -> None:
         """At a probe (the first pass after a pause) that the policy expects to pay, the drafting

@@ -174,6 +174,8 @@ class SpecRunner:
                 self._paused_with = ids
             new_text = self._paused_with.isdisjoint(ids)
         self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs), new_text, prompts_waiting)
+        if self.controller.declined_text:  # the next new text: once these requests have left
+            self._paused_with = ids
         if self.paused and self.lookups:
             # the prefill tokens are not planned yet: priced as none (propose checks again); and
             # what paused steps that verified lookups measured at this load

@@ -32,8 +32,9 @@ def _planner(bound_ms: float | None, budget: int = 256, drafts: int = 3, cost=ms
     return BatchPlanner(cfg, PagePool(256, PAGE), FakeSpec(drafts), cost)
 
 
-def _prefill_steps(p: BatchPlanner, seq) -> list[tuple[int, int]]:
-    """Plan steps until seq's prompt is cached: (decode tokens reserved, seq's chunk) per step."""
+def _prefill_steps(p: BatchPlanner, seq, allowances: list | None = None) -> list[tuple[int, int]]:
+    """Plan steps until seq's prompt is cached: (decode tokens reserved, seq's chunk) per step;
+    each step's draft allowance appended to `allowances`."""
     p.waiting.append(seq)
     steps = []
     while seq.num_cached < seq.prefill_target:
@@ -42,18 +43,27 @@ def _prefill_steps(p: BatchPlanner, seq) -> list[tuple[int, int]]:
         chunk = sum(n for s, n in prefill if s is seq)
         seq.num_cached += chunk  # what the engine's commit does
         steps.append((reserved, chunk))
+        if allowances is not None:
+            allowances.append(p.draft_allowance)
         assert len(steps) < 100
     return steps
 
 
 def test_long_prompt_beside_decoding_requests_is_sliced_under_the_bound():
+    """The prompt comes before the drafts: the decodes are priced at their anchors, and their
+    drafts may take only what the bound leaves beside the chunk (the draft allowance)."""
     p = _planner(bound_ms=20.2)
     for i in range(2):
         _running(p, _seq(i, 6, out=1))
-    steps = _prefill_steps(p, _seq(9, 100))
-    # 2 requests x (anchor + 3 drafts) = 8 reserved tokens; 2 + 0.5 (8 + n) <= 20.2 -> n <= 28
-    assert steps == [(8, 28), (8, 28), (8, 28), (8, 16)]
-    assert all(ms_per_token(r + n) <= 20.2e-3 for r, n in steps)
+    allowances = []
+    steps = _prefill_steps(p, _seq(9, 100), allowances)
+    # 2 requests x (anchor + 3 drafts) = 8 reserved slots; 2 anchors: 2 + 0.5 (2 + n) <= 20.2 -> n <= 34
+    assert steps == [(8, 34), (8, 34), (8, 32)]
+    assert allowances == [0, 0, 2]  # 2 + 0.5 (2 + 32 + 2) <= 20.2
+    assert all(ms_per_token(2 + n + a) <= 20.2e-3 < ms_per_token(2 + n + a + 1)
+               for (_, n), a in zip(steps, allowances))
+    p.plan()  # a step without a prompt: the drafts are the policy's alone
+    assert p.draft_allowance is None
 
 
 def test_without_decoding_requests_prefill_takes_the_whole_budget():
@@ -69,17 +79,19 @@ def test_no_bound_keeps_the_token_budget():
 
 
 def test_decodes_past_the_bound_still_let_a_page_through():
-    p = _planner(bound_ms=5.0, factor=1.0)  # 2 + 0.5 x 8 = 6 ms for the decodes alone
+    p = _planner(bound_ms=2.5, factor=1.0)  # 2 + 0.5 x 2 = 3 ms for the two anchors alone
     for i in range(2):
         _running(p, _seq(i, 6, out=1))
-    assert {n for _, n in _prefill_steps(p, _seq(9, 20))} == {PAGE}
+    allowances = []
+    assert {n for _, n in _prefill_steps(p, _seq(9, 20), allowances)} == {PAGE}
+    assert set(allowances) == {0}  # and no draft beside it
 
 
 def test_decodes_near_the_bound_leave_prompts_their_factor_of_the_step():
-    """The decodes alone cost 6 ms, past the 5 ms bound: at factor 2 a step may take 12 ms, so
-    2 + 0.5 (8 + n) <= 12 -> n <= 12 prompt tokens a step, not a page; at factor 3, n <= 24."""
-    for factor, chunks in ((2.0, [12, 12, 12, 4]), (3.0, [24, 16])):
-        p = _planner(bound_ms=5.0, factor=factor)
+    """The two anchors alone cost 3 ms, past the 2.5 ms bound: at factor 2 a step may take 6 ms,
+    so 2 + 0.5 (2 + n) <= 6 -> n <= 6 prompt tokens a step, not a page; at factor 3, n <= 12."""
+    for factor, chunks in ((2.0, [6, 6, 6, 6, 6, 6, 4]), (3.0, [12, 12, 12, 4])):
+        p = _planner(bound_ms=2.5, factor=factor)
         for i in range(2):
             _running(p, _seq(i, 6, out=1))
         assert [n for _, n in _prefill_steps(p, _seq(9, 40))] == chunks
@@ -87,7 +99,7 @@ def test_decodes_near_the_bound_leave_prompts_their_factor_of_the_step():
     p = _planner(bound_ms=20.2, factor=2.0)
     for i in range(2):
         _running(p, _seq(i, 6, out=1))
-    assert _prefill_steps(p, _seq(9, 40))[0] == (8, 28)
+    assert _prefill_steps(p, _seq(9, 40))[0] == (8, 34)
 
 
 def test_the_cap_follows_a_measured_cost_model():
@@ -231,8 +243,8 @@ def test_serve_bounds_stalls_by_default(capsys):
 @pytest.mark.parametrize("drafter,bound_ms", [("none", 30.0), ("dspark", 40.0)])
 def test_sliced_prefill_keeps_outputs(folders, monkeypatch, drafter, bound_ms):
     """Greedy, tiny model: a 150-token prompt arrives while two requests decode; under the bound
-    (a fake cost of 1 ms per token) every step's predicted pass stays within it and the prompt
-    goes in slices; all outputs equal those of an unbounded run."""
+    (a fake cost of 1 ms per token) every step's pass, drafts included, stays within it and the
+    prompt goes in slices; all outputs equal those of an unbounded run."""
     pytest.importorskip("transformers")
     cost = CostModel([1, 256], [0.001, 0.256], frozen=True)  # n tokens: n ms
     monkeypatch.setattr("dspark.engine.profile.load_or_measure", lambda engine: cost)
@@ -243,14 +255,20 @@ def test_sliced_prefill_keeps_outputs(folders, monkeypatch, drafter, bound_ms):
     for bound in (None, bound_ms):
         engine = make_engine(folders["target"], name, max_decode_stall_ms=bound, ngram_assist=0)
         assert (engine.cost is cost) == (bound is not None)
-        plan, steps = engine.planner.plan, []
+        plan, forward, steps = engine.planner.plan, engine.runner.forward, []
 
         def spied(plan=plan, engine=engine, steps=steps):
             decode, prefill = plan()
-            steps.append((sum(engine.spec.priced_tokens_for(s) for s in decode), sum(n for _, n in prefill)))
+            steps.append([len(decode), sum(n for _, n in prefill), None, engine.planner.draft_allowance, None])
             return decode, prefill
 
+        def ran(items, *args, forward=forward, engine=engine, steps=steps, **kwargs):
+            steps[-1][2] = sum(len(t) for _, t in items)  # the pass's tokens, drafts included
+            steps[-1][4] = engine.spec.passed
+            return forward(items, *args, **kwargs)
+
         monkeypatch.setattr(engine.planner, "plan", spied)
+        monkeypatch.setattr(engine.runner, "forward", ran)
         for i, p in enumerate(prompts[:2]):
             engine.add_request(f"r{i}", p, dataclasses.replace(sp))
         done, k = {}, 0
@@ -262,6 +280,8 @@ def test_sliced_prefill_keeps_outputs(folders, monkeypatch, drafter, bound_ms):
         runs.append(([done["r0"], done["r1"], done["long"]], steps))
     (plain, unbounded), (outs, bounded) = runs
     assert outs == plain
-    beside = [(r, n) for r, n in bounded if r and n]  # steps that prefill beside decodes
-    assert len(beside) >= 5 and all(cost(r + n) <= bound_ms / 1000 for r, n in beside)
-    assert max(n for r, n in unbounded if r) >= 140  # unbounded: the prompt in one step
+    beside = [st for st in bounded if st[0] and st[1]]  # steps that prefill beside decodes
+    assert len(beside) >= 4 and all(cost(tokens) <= bound_ms / 1000 for _, _, tokens, _, _ in beside)
+    assert all(allowance is not None for *_, allowance, _ in beside)
+    assert not any(passed for *_, allowance, passed in beside if allowance == 0)  # no drafter pass for nothing
+    assert max(st[1] for st in unbounded if st[0]) >= 140  # unbounded: the prompt in one step

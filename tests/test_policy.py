@@ -56,6 +56,23 @@ def test_prompt_tokens_in_the_pass_make_drafts_no_cheaper():
     assert alone.last_gain < 1  # a drafter pass of 1 s loses beside 300 prompt tokens as well
 
 
+def test_every_policy_keeps_within_a_step_s_draft_allowance():
+    """A step's draft allowance (what the decode-stall bound leaves beside its prompt chunk) caps
+    the draft tokens or tree nodes verified in all: load-aware admits its best candidates up to
+    it, fixed and threshold cut the longest chains first; None is no limit."""
+    conf = torch.tensor([[0.9, 0.9, 0.1, 0.9], [0.5, 0.5, 0.5, 0.5]])
+    assert LoadAwarePolicy(FLAT).choose([4, 3], conf, max_total=None) == [4, 3]
+    # survivals .9, .81, .5, .25, ...: the best three
+    assert LoadAwarePolicy(FLAT).choose([4, 3], conf, max_total=3) == [2, 1]
+    assert LoadAwarePolicy(FLAT).choose([4, 3], conf, max_total=0) == [0, 0]
+    assert make_policy("fixed", 0.5, None).choose([4, 3], conf, max_total=4) == [2, 2]
+    assert ThresholdPolicy(0.4).choose([4, 4], conf, max_total=3) == [2, 1]  # from [2, 4]
+    assert ThresholdPolicy(0.4).choose([4, 4], conf, max_total=0) == [0, 0]
+    survival = [[0.9, 0.8, 0.3], [0.7, 0.1]]
+    assert LoadAwarePolicy(FLAT).choose_nodes(survival, max_total=3) == [2, 1]
+    assert make_policy("fixed", 0.5, None).choose_nodes(survival, max_total=3) == [2, 1]
+
+
 def test_cost_model_prices_non_decreasing_and_learns_real_steps():
     # a profile taken on a busy machine: the 1- and 2-token passes were slowed down by a neighbour
     noisy = CostModel([1, 2, 4, 8, 16], [1.7, 1.7, 0.05, 0.09, 0.2])
@@ -333,9 +350,9 @@ def test_requests_that_cannot_draft_count_as_plain_rows(folders, single_thread, 
     calls = []
     real = engine.spec.policy._admit
 
-    def admit(survival, other_tokens, draft_seconds):
+    def admit(survival, other_tokens, draft_seconds, max_total=None):
         calls.append([len(row) for row in survival])
-        return real(survival, other_tokens, draft_seconds)
+        return real(survival, other_tokens, draft_seconds, max_total)
 
     monkeypatch.setattr(engine.spec.policy, "_admit", admit)
     prompts = alphabet_prompts([15, 20], seed=3)
@@ -361,9 +378,9 @@ def _run_paused(folders, monkeypatch, cost: CostModel, prompts, sp):
 
     real_propose = spec.propose
 
-    def propose(seqs, other_tokens=0):
+    def propose(seqs, other_tokens=0, max_drafts=None):
         paused = spec.controller.skip_steps > 0
-        proposals = real_propose(seqs, other_tokens)
+        proposals = real_propose(seqs, other_tokens, max_drafts)
         if paused:
             assert all(p.looked_up and p.tokens for p in proposals.values())  # never a drafted block
             looked.extend(proposals.values())

@@ -187,7 +187,7 @@ def test_prompts_admitted_while_drafting_pauses_share_the_prefix(folders, fresh,
     engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", enable_prefix_caching=True)
     spec = engine.spec
 
-    def losing(survival, other_tokens, draft_seconds):  # every drafting step loses to plain decoding
+    def losing(survival, other_tokens, draft_seconds, max_total=None):  # every drafting step loses to plain decoding
         spec.policy.last_gain = 0.5
         return [1] * len(survival)
 

@@ -208,7 +208,7 @@ class _ByConfidence(Policy):
     """The policy's belief follows the drafts' survival: drafting pays where it is 0.6 or more."""
     last_gain = None
 
-    def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0):
+    def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0, max_total=None):
         self.last_gain = 1.5 if conf is not None and float(conf.mean()) >= 0.6 else 0.7
         return list(budgets)
 
@@ -394,7 +394,7 @@ def test_controller_resumes_a_pause_when_the_load_falls_to_where_drafting_pays()
     class ByLoad(Policy):  # drafting pays below 4 requests, loses at 4 and above
         last_gain = None
 
-        def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0):
+        def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0, max_total=None):
             self.last_gain = 1.5 if len(budgets) < 4 else 0.5
             return list(budgets)
 

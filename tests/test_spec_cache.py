@@ -146,7 +146,7 @@ def test_paused_drafter_defers_context_writes(folders, fresh, monkeypatch):
                          max_num_batched_tokens=40)
     spec = engine.spec
 
-    def losing(survival, other_tokens, draft_seconds):  # every drafting step loses to plain decoding
+    def losing(survival, other_tokens, draft_seconds, max_total=None):  # every drafting step loses to plain decoding
         spec.policy.last_gain = 0.5
         return [1] * len(survival)
 
@@ -179,7 +179,7 @@ def test_pause_ended_by_a_falling_load_writes_the_context_first(folders, fresh, 
     engine = make_engine(folders["target"], folders["dspark"], policy="load-aware", ngram_assist=0)
     spec = engine.spec
 
-    def by_load(survival, other_tokens, draft_seconds):  # drafting loses with 2+ requests, pays alone
+    def by_load(survival, other_tokens, draft_seconds, max_total=None):  # drafting loses with 2+ requests, pays alone
         spec.policy.last_gain = 1.5 if len(survival) == 1 else 0.5
         return [1] * len(survival)
 

@@ -287,8 +287,8 @@ def test_proposed_counts_only_steps_that_drafted(folders, prompts, monkeypatch):
     spec, drafted, proposed = engine.spec, {}, {}
     real = spec.propose
 
-    def recording(seqs, other_tokens=0):
-        out = real(seqs, other_tokens)
+    def recording(seqs, other_tokens=0, max_drafts=None):
+        out = real(seqs, other_tokens, max_drafts)
         for s in seqs:
             drafted[s.request_id] = drafted.get(s.request_id, 0) + (s.seq_id in out)
             if s.seq_id in out:
@@ -341,9 +341,9 @@ def test_ngram_assist_matches_plain(folders, prompts, plain, policy, tree, tmp_p
     spec, looked, passes, longest = engine.spec, [], [], [0]
     real = spec.propose
 
-    def recording(seqs, other_tokens=0):
+    def recording(seqs, other_tokens=0, max_drafts=None):
         before = spec.controller.num_draft_passes
-        out = real(seqs, other_tokens)
+        out = real(seqs, other_tokens, max_drafts)
         if seqs:  # steps without decodes propose nothing and skip no pass
             looked.append(len(spec.assist.looked))
             passes.append(spec.controller.num_draft_passes - before)

@@ -7,9 +7,11 @@ the pages the decoding requests need to draft again next step. Under a decode-st
 (EngineConfig.max_decode_stall_ms) a step with decoding requests takes only as many prefill
 tokens as keep its predicted target pass within the bound, as Sarathi-Serve sizes its chunks
 to a time-between-tokens goal: a long prompt then reaches the decoding requests in slices
-instead of one long step. Prompt rows take the CPU's dense path, which the start-up profile
-(decode-like rows) does not time, so the steps that carry prompt tokens scale its price by what
-they measured (BatchPlanner.observe_prefill_step).
+instead of one long step. The prompt comes first: the decodes are priced at their anchors, and
+what the bound leaves after the chunk is the step's draft allowance (draft_allowance), so a
+drafting step slices a prompt as a step without a drafter would. Prompt rows take the CPU's
+dense path, which the start-up profile (decode-like rows) does not time, so the steps that carry
+prompt tokens scale its price by what they measured (BatchPlanner.observe_prefill_step).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class BatchPlanner:
             raise ValueError("a decode-stall bound needs the target's cost model")
         self.stall_seconds = stall / 1000 if stall is not None else None
         self.prefill_scale = 1.0  # measured over predicted seconds of steps that carry prompt tokens
+        # draft tokens the last planned step may verify in all (None: no limit): what the stall
+        # bound leaves beside its prompt chunk
+        self.draft_allowance: int | None = None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,30 +107,38 @@ class BatchPlanner:
     def prefill_cap(self, decode_tokens: int) -> int:
         """Most prefill tokens a step whose decoding requests are priced at decode_tokens may add
         under the decode-stall bound: the most whose pass cost(decode_tokens + n) stays within it
-        (decode_tokens counts every draft token the step may verify, SpecRunner.priced_tokens_for,
-        so a step the policy cuts runs shorter). The bound is the larger of the configured one
-        and decode_stall_factor times the decodes' own pass: where the decodes alone come near
-        the bound (many requests, a large model, a slow machine), a burst of prompts would
-        otherwise creep in a page a step. A pass with prompt tokens is priced at the cost
-        model's time times prefill_scale. At least a page."""
-        top = self.config.max_num_batched_tokens
+        (_bound). At least a page."""
         if self.stall_seconds is None:
-            return top
+            return self.config.max_num_batched_tokens
+        return max(self._most_within(decode_tokens, self._bound(decode_tokens)), self.pool.page_size)
+
+    def _bound(self, decode_tokens: int) -> float:
+        """The decode-stall bound in the cost model's seconds: the larger of the configured one
+        and decode_stall_factor times the decodes' own pass (where the decodes alone come near
+        the bound, as with many requests, a large model or a slow machine, a burst of prompts
+        would otherwise creep in a page a step), over prefill_scale (a pass with prompt tokens
+        costs the cost model's time times that)."""
         bound = max(self.stall_seconds, self.config.decode_stall_factor * self.cost(decode_tokens))
-        bound /= self.prefill_scale
-        if self.cost(decode_tokens + top) <= bound:
+        return bound / self.prefill_scale
+
+    def _most_within(self, tokens: int, bound: float) -> int:
+        """The most tokens n (up to the token budget) that a pass of `tokens` more may add with
+        cost(tokens + n) within bound; 0 if none."""
+        top = self.config.max_num_batched_tokens
+        if self.cost(tokens + top) <= bound:
             return top
-        lo, hi = 0, top  # cost(decode_tokens + lo) within the bound (or lo = 0), cost(... + hi) past it
+        lo, hi = 0, top  # cost(tokens + lo) within the bound (or lo = 0), cost(... + hi) past it
         while hi - lo > 1:  # the cost never falls as tokens grow (CostModel prices a monotone envelope)
             mid = (lo + hi) // 2
-            if self.cost(decode_tokens + mid) <= bound:
+            if self.cost(tokens + mid) <= bound:
                 lo = mid
             else:
                 hi = mid
-        return max(lo, self.pool.page_size)
+        return lo
 
     def _plan_prefill(self, decode: list[Sequence], budget: int, preempted: bool) -> list[tuple[Sequence, int]]:
         prefill: list[tuple[Sequence, int]] = []
+        self.draft_allowance = None
         # Prefill leaves free the pages the decoding requests need to draft again next step: a chunk
         # that took them would switch their drafting off, and then be preempted (it is the newest)
         # and recomputed, step after step. vLLM keeps lookahead slots free before admitting likewise.
@@ -134,7 +147,8 @@ class BatchPlanner:
         if not candidates:  # most steps have nothing to prefill
             return prefill
         if decode:  # the decode-stall bound, priced only where a prompt could stall the decodes
-            budget = min(budget, self.prefill_cap(self.config.max_num_batched_tokens - budget))
+            # the decodes at their anchors: the prompt before their drafts (draft_allowance)
+            budget = min(budget, self.prefill_cap(len(decode)))
         keep_free = sum(self.pool.pages_needed(s.seq_id, s.num_cached + 2 * self.spec.max_tokens_for(s))
                         for s in decode)
         for seq in candidates:
@@ -165,6 +179,9 @@ class BatchPlanner:
             self.pool.reserve(seq.seq_id, seq.num_cached + n)
             prefill.append((seq, n))
             budget -= n
+        if decode and prefill and self.stall_seconds is not None:
+            tokens = len(decode) + sum(n for _, n in prefill)
+            self.draft_allowance = self._most_within(tokens, self._bound(len(decode)))
         return prefill
 
     def _match_prefix(self, seq: Sequence) -> None:

@@ -28,7 +28,7 @@ import collections
 
 import torch
 
-from dspark.engine.policy import Policy
+from dspark.engine.policy import Policy, cap_total
 from dspark.engine.proposal import Draft, Proposal
 from dspark.engine.sequence import SpecStats
 
@@ -370,11 +370,12 @@ class VerifyLengthController:
             self.rates[D, True][1] = min(self.rates[D, True][1], 1)
 
     def choose(self, drafts: list[Draft], budgets: list[int], other_tokens: int,
-               draft_seconds: float) -> list[Proposal]:
+               draft_seconds: float, max_total: int | None = None) -> list[Proposal]:
         """One proposal per draft: chains cut by the policy (within budgets), trees pruned to the
-        nodes it admits. Chains and trees of one step compete for the same pass."""
+        nodes it admits, at most max_total tokens or nodes in all (None: no limit). Chains and
+        trees of one step compete for the same pass."""
         if self.tree:
-            return self._choose_nodes(drafts, other_tokens, draft_seconds)
+            return self._choose_nodes(drafts, other_tokens, draft_seconds, max_total)
         width = max(len(d.tokens) for d in drafts)
         prior = None
         rows = []
@@ -390,9 +391,9 @@ class VerifyLengthController:
             c = c.float().cpu()
             rows.append(c if len(c) == width else torch.nn.functional.pad(c, (0, width - len(c))))
         limits = [min(b, len(d.tokens)) for d, b in zip(drafts, budgets)]
-        lengths = self.policy.choose(limits, torch.stack(rows), other_tokens, draft_seconds)
+        lengths = self.policy.choose(limits, torch.stack(rows), other_tokens, draft_seconds, max_total)
         if self.free_drafts:
-            lengths = self._probe(lengths, limits)
+            lengths = cap_total(self._probe(lengths, limits), max_total)
         return [d.cut(n) for d, n in zip(drafts, lengths)]
 
     def _probe(self, lengths: list[int], limits: list[int]) -> list[int]:
@@ -407,7 +408,8 @@ class VerifyLengthController:
         self.idle_steps, self.backoff = 0, min(2 * self.backoff, self.MAX_BACKOFF)
         return [min(1, n) for n in limits]
 
-    def _choose_nodes(self, drafts: list[Draft], other_tokens: int, draft_seconds: float) -> list[Proposal]:
+    def _choose_nodes(self, drafts: list[Draft], other_tokens: int, draft_seconds: float,
+                      max_total: int | None) -> list[Proposal]:
         """Tree nodes by joint draft probability; chains beside them by their running survival."""
         survival = []
         for d in drafts:
@@ -418,7 +420,7 @@ class VerifyLengthController:
             else:
                 c = d.confidence if d.confidence is not None else self.acceptance_prior(len(d.tokens))
                 survival.append(c.float().cumprod(0).tolist()[:len(d.tokens)])
-        sizes = self.policy.choose_nodes(survival, other_tokens, draft_seconds)
+        sizes = self.policy.choose_nodes(survival, other_tokens, draft_seconds, max_total)
         return [d.cut(n) for d, n in zip(drafts, sizes)]
 
     def acceptance_prior(self, width: int) -> torch.Tensor:

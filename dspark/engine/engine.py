@@ -237,7 +237,7 @@ class Engine:
             return self._drain_finished([])
         t0 = time.perf_counter()
         # a step without decodes still proposes (nothing), so no runner keeps the last step's state
-        proposals = self.spec.propose(decode, sum(n for _, n in prefill))
+        proposals = self.spec.propose(decode, sum(n for _, n in prefill), self.planner.draft_allowance)
         t_draft = time.perf_counter() - t0
         self.draft_time += t_draft
         works = []

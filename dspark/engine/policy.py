@@ -101,22 +101,35 @@ class CostModel:
         self._envelope()
 
 
+def cap_total(lengths: list[int], max_total: int | None) -> list[int]:
+    """lengths with at most max_total in all (None: as they are), the longest cut first."""
+    if max_total is None or sum(lengths) <= max_total:
+        return lengths
+    out = list(lengths)
+    for _ in range(sum(out) - max(0, max_total)):
+        r = max(range(len(out)), key=lambda i: (out[i], i))
+        out[r] -= 1
+    return out
+
+
 class Policy:
-    """Base policy: verify every budgeted draft token."""
+    """Base policy: verify every budgeted draft token. max_total (every policy): at most that
+    many draft tokens in all, what a step's decode-stall bound leaves beside its prompt chunk
+    (BatchPlanner.draft_allowance; None: no limit)."""
 
     name = "fixed"
 
     def choose(self, budgets: list[int], conf: torch.Tensor | None, other_tokens: int = 0,
-               draft_seconds: float = 0.0) -> list[int]:
+               draft_seconds: float = 0.0, max_total: int | None = None) -> list[int]:
         """Draft tokens to verify per request; other_tokens (prefill) ride in the same pass."""
-        return list(budgets)
+        return cap_total(list(budgets), max_total)
 
     def choose_nodes(self, survival: list[list[float]], other_tokens: int = 0,
-                     draft_seconds: float = 0.0) -> list[int]:
+                     draft_seconds: float = 0.0, max_total: int | None = None) -> list[int]:
         """How many nodes of each request's tree to verify. survival[r] holds tree r's node
         survival estimates in descending order, parents before children; the answer keeps a
         prefix of it. Fixed and threshold verify the whole tree."""
-        return [len(row) for row in survival]
+        return cap_total([len(row) for row in survival], max_total)
 
 
 class ThresholdPolicy(Policy):
@@ -127,14 +140,14 @@ class ThresholdPolicy(Policy):
     def __init__(self, threshold: float):
         self.threshold = threshold
 
-    def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0):
+    def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0, max_total=None):
         if conf is None:
-            return list(budgets)
+            return cap_total(list(budgets), max_total)
         out = []
         for b, c in zip(budgets, conf.tolist()):
             k = next((j for j, cj in enumerate(c[:b]) if cj < self.threshold), b)
             out.append(min(b, max(1, k)))
-        return out
+        return cap_total(out, max_total)
 
 
 class LoadAwarePolicy(Policy):
@@ -146,20 +159,21 @@ class LoadAwarePolicy(Policy):
         self.cost = cost
         self.last_gain: float | None = None  # best throughput over plain decoding's, last call
 
-    def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0):
+    def choose(self, budgets, conf, other_tokens=0, draft_seconds=0.0, max_total=None):
         self.last_gain = None
         if conf is None or not budgets:
-            return list(budgets)
+            return cap_total(list(budgets), max_total)
         survival = conf.float().cumprod(-1).tolist()
-        return self._admit([row[:b] for row, b in zip(survival, budgets)], other_tokens, draft_seconds)
+        return self._admit([row[:b] for row, b in zip(survival, budgets)], other_tokens, draft_seconds, max_total)
 
-    def choose_nodes(self, survival, other_tokens=0, draft_seconds=0.0):
+    def choose_nodes(self, survival, other_tokens=0, draft_seconds=0.0, max_total=None):
         self.last_gain = None
-        return self._admit(survival, other_tokens, draft_seconds) if survival else []
+        return self._admit(survival, other_tokens, draft_seconds, max_total) if survival else []
 
-    def _admit(self, survival: list[list[float]], other_tokens: int, draft_seconds: float) -> list[int]:
+    def _admit(self, survival: list[list[float]], other_tokens: int, draft_seconds: float,
+               max_total: int | None = None) -> list[int]:
         """Prefix lengths per request: candidates (r, j) in descending survival[r][j] while
-        tau(B) / (SPS(B) time + drafter time) improves.
+        tau(B) / (SPS(B) time + drafter time) improves, at most max_total of them.
 
         Prompt tokens in the pass (other_tokens) run whether or not anything is drafted, so they
         add to what a draft token costs (the table's slope where the pass runs) but not to what
@@ -177,13 +191,17 @@ class LoadAwarePolicy(Policy):
         tau = float(R)
         plain = tau / alone  # no drafter pass at all
         best = tau / (alone + draft_seconds)
+        left = len(cands) if max_total is None else max_total
         for a, r, j in cands:
+            if left <= 0:
+                break
             if j != lengths[r]:  # a prefix must be admitted in order
                 continue
             theta = (tau + a) / (base + self.cost(tokens + 1) + draft_seconds)
             if theta <= best:
                 break
             lengths[r], tau, tokens, best = j + 1, tau + a, tokens + 1, theta
+            left -= 1
         self.last_gain = best / plain
         return lengths
 

@@ -18,7 +18,7 @@ import torch
 from dspark.config import SpecConfig
 from dspark.engine.assist import NgramAssist
 from dspark.engine.controller import VerifyLengthController
-from dspark.engine.policy import CostModel, make_policy
+from dspark.engine.policy import CostModel, cap_total, make_policy
 from dspark.engine.proposal import Draft, Proposal, Proposer
 from dspark.engine.sequence import Sequence, SpecStats
 
@@ -127,8 +127,9 @@ class SpecRunner:
 
     def priced_tokens_for(self, seq: Sequence) -> int:
         """Tokens seq may add to this step's target pass (after begin_step), which the token
-        budget and the decode-stall bound price: no block-pass slots, and a drafter chain no
-        deeper than this step's chain_depth (_propose drafts no deeper)."""
+        budget prices: no block-pass slots, and a drafter chain no deeper than this step's
+        chain_depth (_propose drafts no deeper). (The decode-stall bound prices the anchors
+        alone and caps the drafts with what it leaves: propose's max_drafts.)"""
         return self._verify_tokens(seq, self.chain_depth)
 
     def _verify_tokens(self, seq: Sequence, depth: int | None) -> int:
@@ -204,27 +205,32 @@ class SpecRunner:
         self._lookup_verdicts[rows] = [other_tokens, rate, verdict, self.LOOKUP_VERDICT_STEPS]
         return verdict
 
-    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> dict[int, Proposal]:
-        """A Proposal per drafting request; other_tokens: prefill tokens in the same pass."""
-        out = self._propose(seqs, other_tokens)
+    def propose(self, seqs: list[Sequence], other_tokens: int = 0,
+                max_drafts: int | None = None) -> dict[int, Proposal]:
+        """A Proposal per drafting request; other_tokens: prefill tokens in the same pass;
+        max_drafts: the most draft tokens (or tree nodes) verified in all (None: no limit; 0: a
+        plain step, no drafter pass), what the decode-stall bound leaves beside a prompt chunk."""
+        out = self._propose(seqs, other_tokens, max_drafts)
         self.verified = any(p.tokens or p.tree is not None for p in out.values())
         return out
 
-    def _propose(self, seqs: list[Sequence], other_tokens: int) -> dict[int, Proposal]:
+    def _propose(self, seqs: list[Sequence], other_tokens: int, max_drafts: int | None) -> dict[int, Proposal]:
         self.passed = False
         if self.assist is not None:
             self.assist.clear()
         budgets = [self.draft_budget(s) for s in seqs]
         active = [s for s, b in zip(seqs, budgets) if b > 0]
-        if not active:
+        if not active or max_drafts == 0:
             return {}
         budgets = [b for b in budgets if b > 0]
         if self.proposer.deterministic:
             drafts = self.proposer.draft(active, budgets)
             if self.controller is None:  # under a fixed or threshold policy: verified whole
-                return {s.seq_id: Proposal(d.tokens, num_proposed=d.num_proposed) for s, d in zip(active, drafts)}
+                lengths = cap_total([len(d.tokens) for d in drafts], max_drafts)
+                return {s.seq_id: Proposal(d.tokens[:n], num_proposed=d.num_proposed)
+                        for s, d, n in zip(active, drafts, lengths)}
             plain = [Draft([])] * (len(seqs) - len(active))  # found for free: priced, no pass to pay
-            chosen = self.controller.choose(drafts + plain, budgets + [0] * len(plain), other_tokens, 0.0)
+            chosen = self.controller.choose(drafts + plain, budgets + [0] * len(plain), other_tokens, 0.0, max_drafts)
             return dict(zip([s.seq_id for s in active], chosen))
         paused = self.paused
         if paused and (not self.lookups or not self._lookups_pay(len(seqs), other_tokens)):
@@ -248,7 +254,8 @@ class SpecRunner:
         # (budget 0), so the policy weighs the pass's whole output, not only the drafting rows'
         plain = len(seqs) - len(active)
         seconds = self.controller.estimated_draft_seconds(len(neural))
-        chosen = self.controller.choose(drafts + [Draft([])] * plain, budgets + [0] * plain, other_tokens, seconds)
+        chosen = self.controller.choose(drafts + [Draft([])] * plain, budgets + [0] * plain, other_tokens, seconds,
+                                        max_drafts)
         out = dict(zip([s.seq_id for s in active], chosen))
         for sid in looked:
             self.assist.send(sid, looked[sid], len(out[sid].tokens))

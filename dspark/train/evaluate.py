@@ -29,9 +29,9 @@ class _StepRecorder:
         orig_propose, orig_choose = runner.propose, runner.policy.choose
         state = {"active": []}
 
-        def propose(seqs, other_tokens=0):
+        def propose(seqs, other_tokens=0, max_drafts=None):
             state["active"] = [s for s in seqs if runner.draft_budget(s) > 0]
-            return orig_propose(seqs, other_tokens)
+            return orig_propose(seqs, other_tokens, max_drafts)
 
         def choose(budgets, conf, *a, **kw):
             # looked-up chains (the n-gram assist) carry running rates, not the head's confidences

@@ -112,20 +112,21 @@ class VerifyLengthController:
             # them beside the prompt rows, mostly cuts (a burst's ramp ended the pause that the
             # last burst's requests had left, and its prompts went in thin slices)
             return True
-        if new_text and self.hopeful_gain(R, width) >= 1.0 and self.skip_text(R):
-            self.declined_text = True  # counted as a paused step below
-        elif new_text and self.hopeful_gain(R, width) >= 1.0:
+        if new_text and self.hopeful_gain(R, width) >= 1.0:
             # what paused drafting was measured on text that has left: the drafting rate at D and
             # the running acceptance only move while drafting runs, so a few hard tokens at a
             # request's start kept a fresh server at one request from drafting for hundreds of
             # steps. Trial passes, judged by their own confidences (one request's belief spreads
             # too widely to decide); the measured rate restarts at one step's weight (as in
-            # _remeasure_unsure_loss)
-            self.skip_steps, self.gain, self.resumed = 0, 1.0, True
-            self.trial_passes = self.trial_passes_at(R)
-            self.text_probe = R
-            self._restart_drafting_rate(D)
-            return False
+            # _remeasure_unsure_loss). Unless trials lost at this load lately (skip_text): then
+            # a paused step like the others
+            self.declined_text = self.skip_text(R)
+            if not self.declined_text:
+                self.skip_steps, self.gain, self.resumed = 0, 1.0, True
+                self.trial_passes = self.trial_passes_at(R)
+                self.text_probe = R
+                self._restart_drafting_rate(D)
+                return False
         gain = self._judged(self.expected_gain(R, width), D)
         if R < self.lost_at and gain >= 1.0:
             # that average was another load's: try again now, keeping the back-off (under serving

@@ -1,0 +1,92 @@
+"""Host time of decode-only steps outside the target pass: plain decoding against the default
+drafter (paused for most steps at this load) and the default without prompt lookups, in one process.
+
+    .venv/bin/python scripts/paused_step_overhead.py [--requests 8] [--rounds 8] [--steps 40]
+
+Each round adds `requests` prompts to every engine in turn, prefills them, and times the next
+`steps` steps (all of them decode-only), then lets the requests finish; the first round only
+warms up (the drafter pauses during it). Prints each engine's output tokens per second over the
+timed steps, its ms per step, and the ms per step spent in the target pass and in each of the
+spec runner's hooks (begin_step, propose, commit, ...), with the counts of steps that were
+paused, ran a drafter pass, or verified anything past the anchors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+from dspark.config import SamplingParams
+from dspark.llm import LLM
+
+HOOKS = ("begin_step", "propose", "commit", "observe_step", "observe_outcome")
+
+
+def timed(obj, attr: str, into: collections.Counter, key: str) -> None:  # noqa: ANN001
+    real = getattr(obj, attr)
+
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        t = time.perf_counter()
+        out = real(*args, **kwargs)
+        into[key] += time.perf_counter() - t
+        return out
+
+    setattr(obj, attr, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts-file", default="data/heldout_chat.jsonl")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=40)
+    a = ap.parse_args()
+    with open(a.prompts_file, encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f]
+    kw = {"kv_cache_tokens": 8192, "max_num_seqs": a.requests}
+    engines = {"none": LLM(drafter="none", **kw), "default": LLM(**kw), "no lookups": LLM(ngram_assist=0, **kw)}
+    spent = {name: collections.Counter() for name in engines}
+    for name, llm in engines.items():
+        eng = llm.engine
+        timed(eng.runner, "forward", spent[name], "target pass")
+        timed(eng.planner, "plan", spent[name], "planner.plan")
+        for hook in HOOKS:
+            timed(eng.spec, hook, spent[name], f"spec.{hook}")
+    sp = SamplingParams(max_tokens=a.steps + 24, temperature=0.0, ignore_eos=True)
+    total = {name: collections.Counter() for name in engines}
+    for rnd in range(a.rounds):
+        for name, llm in engines.items():
+            eng = llm.engine
+            for i in range(a.requests):
+                eng.add_request(f"{rnd}-{i}", prompts[(rnd * a.requests + i) % len(prompts)], sp)
+            while eng.planner.waiting or any(s.in_prefill for s in eng.planner.running):
+                eng.step()
+            spent[name].clear()
+            before = sum(len(s.output_ids) for s in eng.planner.running)
+            t, steps, counts = time.perf_counter(), 0, collections.Counter()
+            while eng.planner.running and steps < a.steps:
+                eng.step()
+                steps += 1
+                counts.update(paused=eng.spec.paused, passed=eng.spec.passed, verified=eng.spec.verified)
+            seconds = time.perf_counter() - t
+            tokens = sum(len(s.output_ids) for s in eng.planner.running) - before
+            hooks = collections.Counter(spent[name])
+            while eng.planner.running:
+                eng.step()
+            if rnd == 0:
+                continue
+            total[name].update(hooks)
+            total[name].update(counts)
+            total[name].update({"seconds": seconds, "steps": steps, "tokens": tokens})
+    for name, t in total.items():
+        n = t["steps"]
+        print(f"{name}: {t['tokens'] / t['seconds']:.1f} tok/s, {1e3 * t['seconds'] / n:.2f} ms a step over {n} "
+              f"steps ({t['paused']} paused, {t['passed']} drafter passes, {t['verified']} verified drafts)")
+        for key in ["target pass", "planner.plan"] + [f"spec.{h}" for h in HOOKS]:
+            print(f"    {key:22s} {1e3 * t[key] / n:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,22 +18,12 @@ import collections
 import json
 import time
 
+from step_costs import timed  # this folder: run as a script, it is on sys.path
+
 from dspark.config import SamplingParams
 from dspark.llm import LLM
 
 HOOKS = ("begin_step", "propose", "commit", "observe_step", "observe_outcome")
-
-
-def timed(obj, attr: str, into: collections.Counter, key: str) -> None:  # noqa: ANN001
-    real = getattr(obj, attr)
-
-    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        t = time.perf_counter()
-        out = real(*args, **kwargs)
-        into[key] += time.perf_counter() - t
-        return out
-
-    setattr(obj, attr, wrapper)
 
 
 def main() -> None:
@@ -48,12 +38,13 @@ def main() -> None:
     kw = {"kv_cache_tokens": 8192, "max_num_seqs": a.requests}
     engines = {"none": LLM(drafter="none", **kw), "default": LLM(**kw), "no lookups": LLM(ngram_assist=0, **kw)}
     spent = {name: collections.Counter() for name in engines}
+    calls = collections.Counter()
     for name, llm in engines.items():
         eng = llm.engine
-        timed(eng.runner, "forward", spent[name], "target pass")
-        timed(eng.planner, "plan", spent[name], "planner.plan")
+        timed(spent[name], calls, eng.runner, "forward", "target pass")
+        timed(spent[name], calls, eng.planner, "plan", "planner.plan")
         for hook in HOOKS:
-            timed(eng.spec, hook, spent[name], f"spec.{hook}")
+            timed(spent[name], calls, eng.spec, hook, f"spec.{hook}")
     sp = SamplingParams(max_tokens=a.steps + 24, temperature=0.0, ignore_eos=True)
     total = {name: collections.Counter() for name in engines}
     for rnd in range(a.rounds):

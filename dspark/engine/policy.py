@@ -102,13 +102,19 @@ class CostModel:
 
 
 def cap_total(lengths: list[int], max_total: int | None) -> list[int]:
-    """lengths with at most max_total in all (None: as they are), the longest cut first."""
-    if max_total is None or sum(lengths) <= max_total:
+    """lengths with at most max_total in all (None: as they are), the longest cut first: each cut
+    to a common level, the first of those longer than it keeping one more where the total allows."""
+    if max_total is None or sum(lengths) <= max(0, max_total):
         return lengths
-    out = list(lengths)
-    for _ in range(sum(out) - max(0, max_total)):
-        r = max(range(len(out)), key=lambda i: (out[i], i))
-        out[r] -= 1
+    total, level = max(0, max_total), 0
+    while sum(min(n, level + 1) for n in lengths) <= total:  # stops below the longest (sum > total)
+        level += 1
+    extra = total - sum(min(n, level) for n in lengths)
+    out = []
+    for n in lengths:
+        keep = n > level and extra > 0
+        extra -= keep
+        out.append(level + keep if n > level else n)
     return out
 
 

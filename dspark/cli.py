@@ -62,6 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a step with decoding requests may take prefill tokens up to this many times what "
                         "its decodes alone cost, whatever --max-decode-stall-ms says (>= 1; default 2), so "
                         "prompts keep advancing when the decodes alone fill the bound")
+    p.add_argument("--prompt-gemm-min-tokens", type=int, default=256, metavar="N",
+                   help="where prompt rows have a kernel of their own (the CPU's AMX prompt GEMM, a dense "
+                        "copy), only prompts of at least N tokens take it; shorter ones take the decode "
+                        "kernels, which cost no fixed expansion of the weights per pass (0: every prompt; "
+                        "default 256)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (used by default on CUDA with the flashinfer backend)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -124,6 +129,7 @@ def engine_config(args: argparse.Namespace, default_policy: str = "fixed",  # no
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_decode_stall_ms=args.max_decode_stall_ms,
                         decode_stall_factor=args.decode_stall_factor,
+                        prompt_gemm_min_tokens=args.prompt_gemm_min_tokens,
                         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                         tensor_parallel_size=args.tensor_parallel_size, chat_template=args.chat_template,
                         spec=spec)

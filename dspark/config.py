@@ -272,6 +272,11 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     quantization: str = "auto"  # decoder-layer weights: auto | none | int8 | int4 (models/quant.py)
     prefill_dense_copy: bool = False  # quantized linears keep a dense copy for prompt rows (models/quantize.py)
+    # where prompt rows have a path of their own (the AMX prompt GEMM, a dense copy), prompts shorter
+    # than this take the decode kernels instead: that path's fixed cost per pass (every weight
+    # expanded) outweighs its faster rows for a short prompt or a thin chunk of one (0: every prompt
+    # takes it). Decided per request, by its prompt's length, so its bits never depend on chunking
+    prompt_gemm_min_tokens: int = 256
     device: str = "auto"
     attention_backend: str = "auto"  # auto | torch | flashinfer
     page_size: int = 16
@@ -305,6 +310,9 @@ class EngineConfig:
         if self.kv_cache_tokens < self.page_size:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one page "
                              f"({self.page_size} tokens)")
+        gemm = self.prompt_gemm_min_tokens
+        if not isinstance(gemm, int) or isinstance(gemm, bool) or gemm < 0:
+            raise ValueError(f"prompt_gemm_min_tokens must be an integer >= 0, got {gemm!r}")
         stall = self.max_decode_stall_ms
         if stall is not None and (not isinstance(stall, (int, float)) or isinstance(stall, bool)
                                   or not 0 < stall < float("inf")):  # NaN fails too

@@ -36,6 +36,11 @@ def test_pool_shares_registered_pages_and_evicts_the_oldest_unheld():
     assert pool.num_free == 0 and not pool.can_reserve(7, 1)  # the first page is held by 6 now
     pool.free(6)
     assert pool.num_free == 1 and pool.match_prefix(7, ids, limit=13) == 4
+    salted = PagePool(6, page_size=4, prefix_caching=True)  # a salt keeps a cache of its own
+    salted.reserve(1, 8)
+    salted.register(1, lambda a, b: ids[a:b], 8, salt=b"decode-kernels")
+    assert salted.match_prefix(2, ids, limit=13) == 0
+    assert salted.match_prefix(3, ids, limit=13, salt=b"decode-kernels") == 8
     off = PagePool(4, page_size=4)
     off.reserve(1, 8)
     off.register(1, lambda a, b: ids[a:b], 8)
@@ -139,12 +144,14 @@ def test_server_counts_prefix_cache_tokens(folders):
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter):
+@pytest.mark.parametrize("gemm_min", [0, 10_000])
+def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter, gemm_min):
     """A bf16 int4 target with 64-wide heads on the CPU kernels: prompt rows get the same bits
     however a prompt is chunked, so prefix caching is on by default, and requests that find
     their prompts' pages give what an engine without caching gives with whole prompts, every
     prompt cut into chunks of 16 or not, next turns holding earlier answers too. A dense float32
-    target keeps it off."""
+    target keeps it off. gemm_min: every prompt takes the CPU's prompt path (the AMX prompt
+    GEMM, where there is one), or none does."""
     from spec_helpers import save_tiny_target
 
     from dspark.models import cpu_ops
@@ -157,7 +164,7 @@ def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter)
     base = alphabet_prompts([45], seed=7)[0]
     tails = alphabet_prompts([6, 11, 4], seed=8)
     prompts = [base + t for t in tails] + [base[:30] + tails[0]]
-    kw = dict(quantization="int4", dtype="bfloat16")
+    kw = dict(quantization="int4", dtype="bfloat16", prompt_gemm_min_tokens=gemm_min)
     ref = make_engine(target, drafter, enable_prefix_caching=False, max_num_batched_tokens=512, **kw)
     want = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in prompts])]
     cached = make_engine(target, drafter, max_num_batched_tokens=16, **kw)
@@ -207,3 +214,40 @@ def test_prompts_admitted_while_drafting_pauses_share_the_prefix(folders, fresh,
     engine.step()  # its prefill, from the cache
     spec.proposer.context.flush()  # what the drafter's next pass would write first
     check_caches(engine, fresh, engine.running[0])
+
+
+def test_short_prompts_take_the_decode_kernels_and_cache_apart(tmp_path, folders, monkeypatch):
+    """Where prompt rows have a path of their own, prompts shorter than prompt_gemm_min_tokens
+    pass no prompt rows to it (their rows take the decode kernels, whatever the chunking), and
+    their pages sit in a cache of their own: a short and a long prompt with the same first
+    pages never answer each other's prefix, and outputs equal an engine without caching. On a CPU
+    with the AMX prompt GEMM the two kinds' bits differ; elsewhere the path is pretended."""
+    from spec_helpers import save_tiny_target
+
+    from dspark.engine.verify import Work
+    from dspark.models import cpu_ops
+
+    ops = cpu_ops.quant()
+    if ops is None or not hasattr(ops, "attend_causal"):
+        pytest.skip("needs the int4 kernels and the AVX512 causal attention")
+    target = save_tiny_target(tmp_path / "t64", predictable=False, head_dim=64)
+    base = alphabet_prompts([40], seed=9)[0]
+    tails = alphabet_prompts([12, 3], seed=10)
+    long_p, short_p = base + tails[0], base[:33] + tails[1]  # 52 and 36 tokens: pages 0-1 alike
+    kw = dict(quantization="int4", dtype="bfloat16", prompt_gemm_min_tokens=48)
+    ref = make_engine(target, "none", enable_prefix_caching=False, **kw)
+    want = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in (long_p, short_p)])]
+    cached = make_engine(target, "none", max_num_batched_tokens=16, **kw)
+    cached.prompt_path = True  # as on an AMX CPU, so that the rule runs on every machine
+    seen = []
+    real = Work.prompt_rows.fget
+    monkeypatch.setattr(Work, "prompt_rows", property(lambda w: seen.append((len(w.seq.prompt_ids), real(w)))
+                                                       or real(w)))
+    for order in ((long_p, short_p), (short_p, long_p)):
+        for p in order:
+            got = run_requests(cached, [(p, GREEDY, None)])[0].token_ids
+            assert got == want[0 if p is long_p else 1]
+    rows = {n: {r for m, r in seen if m == n} for n, _ in seen}
+    assert rows[len(short_p)] == {0} and max(rows[len(long_p)]) > 0  # prompt rows only for the long one
+    hits = cached.pool.prefix_hits
+    assert hits == 48 + 32  # each prompt found only its own earlier pages: 3 long, 2 short

@@ -330,7 +330,9 @@ def test_speculative_equals_plain_with_prompts_beside_decodes(folders, monkeypat
     monkeypatch.setattr(RowSplit, "of", classmethod(of))
     prompts = alphabet_prompts([15, 24, 33, 40, 47, 18], seed=5)
     sp = SamplingParams(temperature=0.0, max_tokens=24)
-    kw = dict(quantization="int4", dtype="bfloat16", max_num_batched_tokens=32, prefill_dense_copy=copy)
+    # every prompt on the prompt path (short ones default to the decode kernels): the mixed passes
+    kw = dict(quantization="int4", dtype="bfloat16", max_num_batched_tokens=32, prefill_dense_copy=copy,
+              prompt_gemm_min_tokens=0)
     plain = make_engine(folders["target"], "none", **kw)
     assert (plain.model.layers[0].mlp.down_proj.prefill is not None) == copy
     ref = run_requests(plain, [(p, sp, None) for p in prompts])

@@ -40,8 +40,10 @@ def _direct_logprobs(engine, ids: list[int]) -> torch.Tensor:  # noqa: ANN001 - 
     engine.pool.reserve(seq.seq_id, len(ids))
     try:
         with torch.inference_mode():
-            # prompt_rows: the quantized linears take their prompt (dense) path, as a prefill does
-            logits = engine.runner.forward([(seq, ids)], list(range(len(ids))), prompt_rows=[len(ids)]).logits
+            # prompt_rows: the quantized linears take their prompt path where a prefill of this
+            # prompt would (a short one takes the decode kernels: prompt_gemm_min_tokens)
+            rows = 0 if engine.prompt_on_decode_kernels(len(ids)) else len(ids)
+            logits = engine.runner.forward([(seq, ids)], list(range(len(ids))), prompt_rows=[rows]).logits
     finally:
         engine.pool.free(seq.seq_id)
     return torch.log_softmax(logits.float(), -1)

@@ -189,7 +189,7 @@ class BatchPlanner:
         at least one token to compute. A request that asks for its prompt's logprobs computes
         every position."""
         if self.pool.prefix_caching and seq.params.prompt_logprobs is None:
-            seq.num_cached = self.pool.match_prefix(seq.seq_id, seq.all_ids, seq.prefill_target - 1)
+            seq.num_cached = self.pool.match_prefix(seq.seq_id, seq.all_ids, seq.prefill_target - 1, seq.prefix_salt)
 
     def _pick_victim(self, exclude: Sequence) -> Sequence | None:
         """The newest running request admitted after `exclude`; None when `exclude` is the newest,

@@ -36,7 +36,7 @@ from dspark.engine.sequence import RequestOutput, Sequence, SpecStats, Status
 from dspark.engine.structured import GrammarCache
 from dspark.engine.verify import Work, accept, layout
 from dspark.models.loader import load_model, load_tokenizer, resolve_model_folder
-from dspark.models.quantize import return_freed_heap
+from dspark.models.quantize import has_prompt_path, return_freed_heap
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,8 @@ class Engine:
             logger.info("prefix caching %s", "on: prompt chunks get the same bits however they are cut"
                         if caching else "off: this build's prompt path sums by chunk")
         self.pool.prefix_caching = self.spec.shared_prefixes = caching
+        # whether prompt rows have a kernel of their own here, which short prompts skip (add_request)
+        self.prompt_path = self.device.type == "cpu" and has_prompt_path(self.model)
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer" \
                 and self.workers is None:
             self.enable_graphs(capture=True)
@@ -180,13 +182,19 @@ class Engine:
         seq = Sequence(seq_id=next(self._ids), request_id=request_id, prompt_ids=ids, params=params,
                        generator=gen, seed=params.seed if seeded else None,
                        eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
-                       early_stop_ids=early, spec_enabled=spec, block_size=block_size)
+                       early_stop_ids=early, spec_enabled=spec, block_size=block_size,
+                       prompt_on_decode_kernels=self.prompt_on_decode_kernels(len(ids)))
         if params.structured_outputs is not None:
             seq.grammar = self.grammars().matcher(params.structured_outputs)
         seq.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         self.seqs[request_id] = seq
         self.planner.waiting.append(seq)
         return seq
+
+    def prompt_on_decode_kernels(self, prompt_tokens: int) -> bool:
+        """Whether a prompt of this many tokens runs its rows on the decode kernels rather than
+        the CPU's prompt path (EngineConfig.prompt_gemm_min_tokens)."""
+        return self.prompt_path and prompt_tokens < self.config.prompt_gemm_min_tokens
 
     def grammars(self) -> GrammarCache:
         """The compiled structured-output constraints (built, with xgrammar, on first use)."""
@@ -298,7 +306,7 @@ class Engine:
                 self.pool.tables[w.seq.seq_id].num_tokens = w.seq.num_cached
                 if share:  # prompt pages only: see PagePool.register
                     self.pool.register(w.seq.seq_id, w.seq.token_range,
-                                       min(w.seq.num_cached, len(w.seq.prompt_ids)))
+                                       min(w.seq.num_cached, len(w.seq.prompt_ids)), w.seq.prefix_salt)
         return [w.seq for w in works]
 
     def _compact(self, seq: Sequence, start: int, kept: list[int]) -> None:

@@ -87,13 +87,14 @@ class PagePool:
         data = np.asarray(tokens, dtype=np.int64).tobytes()
         return hashlib.blake2b(parent + data, digest_size=16).digest()
 
-    def match_prefix(self, seq_id: int, token_ids: list[int], limit: int) -> int:
+    def match_prefix(self, seq_id: int, token_ids: list[int], limit: int, salt: bytes = b"") -> int:
         """Give a sequence without pages the cached pages its tokens start with, at most `limit`
-        tokens' worth (leave the caller a token to compute); returns the tokens now cached."""
+        tokens' worth (leave the caller a token to compute); returns the tokens now cached. salt:
+        the cache it looks in (Sequence.prefix_salt), as register was given it."""
         if not self.prefix_caching or self.tables.get(seq_id, PageTable()).pages:
             return 0
         table = self.tables.setdefault(seq_id, PageTable())
-        ps, parent = self.page_size, b""
+        ps, parent = self.page_size, salt
         for i in range(limit // ps):
             h = self._hash(parent, token_ids[i * ps:(i + 1) * ps])
             page = self._page_of.get(h)
@@ -116,20 +117,21 @@ class PagePool:
         self.prefix_queries += queried
         self.prefix_hits += found
 
-    def register(self, seq_id: int, tokens: Callable[[int, int], list[int]], num_cached: int) -> None:
+    def register(self, seq_id: int, tokens: Callable[[int, int], list[int]], num_cached: int,
+                 salt: bytes = b"") -> None:
         """Make the full pages among a sequence's first num_cached tokens (computed, committed)
         available to later requests with the same prefix. tokens(start, end): the sequence's
         token ids there, read only for a page that has just filled (this runs every step). The
         engine registers prompt pages only: a generated token's K/V come from the decode
         kernels, and a later prompt holding the same tokens (the next turn of a chat) computes
         them as prompt rows, whose bits differ where prompt rows take a GEMM (AMX); that prompt's
-        own pages are registered in turn."""
+        own pages are registered in turn. salt: which cache they go to (Sequence.prefix_salt)."""
         table = self.tables.get(seq_id)
         if not self.prefix_caching or table is None:
             return
         ps = self.page_size
         for i in range(len(table.hashes), min(num_cached // ps, len(table.pages))):
-            h = self._hash(table.hashes[-1] if table.hashes else b"", tokens(i * ps, (i + 1) * ps))
+            h = self._hash(table.hashes[-1] if table.hashes else salt, tokens(i * ps, (i + 1) * ps))
             table.hashes.append(h)
             page = table.pages[i]
             if h not in self._page_of and page not in self._hash_of:  # else another page holds it already

@@ -113,9 +113,18 @@ class Sequence:
     spec_enabled: bool = True
     block_size: int | None = None
     plain_step: bool = False  # this step decodes without drafts: free pages could not hold its drafts
+    # its prompt rows take the decode kernels, not the CPU's prompt path (a short prompt:
+    # EngineConfig.prompt_gemm_min_tokens); its cached pages are kept apart (prefix_salt)
+    prompt_on_decode_kernels: bool = False
     grammar: object | None = None  # structured outputs: an xgrammar matcher at the committed output
     bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words as token sequences
     logit_offset: object | None = None  # logit_bias and allowed_token_ids as one row added to the logits
+
+    @property
+    def prefix_salt(self) -> bytes:
+        """Where its prompt pages are cached: prompt rows computed by the decode kernels and by the
+        prompt path hold different bits, so neither kind's pages may answer the other's prefix."""
+        return b"decode-kernels" if self.prompt_on_decode_kernels else b""
 
     @property
     def all_ids(self) -> list[int]:

@@ -49,8 +49,9 @@ class Work:
     @property
     def prompt_rows(self) -> int:
         """Leading tokens that are prompt tokens: quantized linears take their dense path for them
-        (a request prefilled again after a preemption also feeds tokens it had generated)."""
-        if self.kind != "prefill":
+        (a request prefilled again after a preemption also feeds tokens it had generated); none
+        for a request whose prompt takes the decode kernels."""
+        if self.kind != "prefill" or self.seq.prompt_on_decode_kernels:
             return 0
         return max(0, min(len(self.tokens), len(self.seq.prompt_ids) - self.seq.num_cached))
 

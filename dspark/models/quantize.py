@@ -245,6 +245,12 @@ def return_freed_heap() -> None:
         pass
 
 
+def has_prompt_path(model: nn.Module) -> bool:
+    """Whether some decoder linear of ``model`` takes prompt rows through a kernel of its own (the
+    AMX prompt GEMM, a dense copy), whose bits differ from the decode kernels'."""
+    return any(getattr(m, "prompt_path", None) is not None and m.prompt_path() != "decode" for m in model.modules())
+
+
 def rows_alone(model: nn.Module) -> bool:
     """Whether every decoder linear of ``model`` gives a row the same bits whatever other rows share
     its call (our int4 and int8 kernels, prompt rows included, with no dense copy, whose GEMM may

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
 
 from step_costs import timed  # this folder: run as a script, it is on sys.path
 
+from dspark.bench.prompts import load_prompts
 from dspark.config import SamplingParams
 from dspark.llm import LLM
 
@@ -33,8 +33,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
     a = ap.parse_args()
-    with open(a.prompts_file, encoding="utf-8") as f:
-        prompts = [json.loads(line)["prompt"] for line in f]
+    prompts = load_prompts(a.prompts_file, 10**6)  # every prompt of the file
     kw = {"kv_cache_tokens": 8192, "max_num_seqs": a.requests}
     engines = {"none": LLM(drafter="none", **kw), "default": LLM(**kw), "no lookups": LLM(ngram_assist=0, **kw)}
     spent = {name: collections.Counter() for name in engines}

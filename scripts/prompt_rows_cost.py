@@ -13,10 +13,10 @@ the decode kernels. What `--prompt-gemm-min-tokens` was chosen from (docs/quanti
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
+from dspark.bench.prompts import load_prompts
 from dspark.config import SamplingParams
 from dspark.llm import LLM
 from dspark.models import cpu_ops
@@ -46,8 +46,7 @@ def main() -> None:
         return stack(h, weights, *rest)
 
     ops.decode_stack = grab
-    with open(a.prompts_file, encoding="utf-8") as f:
-        prompts = [json.loads(line)["prompt"] for line in f]
+    prompts = load_prompts(a.prompts_file, 10**6)  # every prompt of the file
     # every prompt on the prompt path while capturing, so that each pass holds prompt rows
     eng = LLM(drafter="none", kv_cache_tokens=16384, max_num_seqs=32, prompt_gemm_min_tokens=0).engine
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

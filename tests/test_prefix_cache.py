@@ -238,7 +238,7 @@ def test_short_prompts_take_the_decode_kernels_and_cache_apart(tmp_path, folders
     ref = make_engine(target, "none", enable_prefix_caching=False, **kw)
     want = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in (long_p, short_p)])]
     cached = make_engine(target, "none", max_num_batched_tokens=16, **kw)
-    cached.prompt_path = True  # as on an AMX CPU, so that the rule runs on every machine
+    cached.prompt_kernel_differs = True  # as on an AMX CPU, so that the rule runs on every machine
     seen = []
     real = Work.prompt_rows.fget
     monkeypatch.setattr(Work, "prompt_rows", property(lambda w: seen.append((len(w.seq.prompt_ids), real(w)))

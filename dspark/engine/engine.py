@@ -94,7 +94,7 @@ class Engine:
                         if caching else "off: this build's prompt path sums by chunk")
         self.pool.prefix_caching = self.spec.shared_prefixes = caching
         # whether prompt rows have a kernel of their own here, which short prompts skip (add_request)
-        self.prompt_path = self.device.type == "cpu" and has_prompt_path(self.model)
+        self.prompt_kernel_differs = self.device.type == "cpu" and has_prompt_path(self.model)
         if not config.enforce_eager and self.device.type == "cuda" and self.attn.name == "flashinfer" \
                 and self.workers is None:
             self.enable_graphs(capture=True)
@@ -194,7 +194,7 @@ class Engine:
     def prompt_on_decode_kernels(self, prompt_tokens: int) -> bool:
         """Whether a prompt of this many tokens runs its rows on the decode kernels rather than
         the CPU's prompt path (EngineConfig.prompt_gemm_min_tokens)."""
-        return self.prompt_path and prompt_tokens < self.config.prompt_gemm_min_tokens
+        return self.prompt_kernel_differs and prompt_tokens < self.config.prompt_gemm_min_tokens
 
     def grammars(self) -> GrammarCache:
         """The compiled structured-output constraints (built, with xgrammar, on first use)."""

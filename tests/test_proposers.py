@@ -302,6 +302,37 @@ def test_no_pause_ends_while_prompts_wait():
     assert not c.paused(2, 4, 2)
 
 
+def test_a_pause_that_cannot_repay_its_catch_up_stays_on():
+    """Ending a pause first writes the paused steps' drafter context; where drafting at the
+    expected gain would not repay that over the tokens left (resume_pays), neither new text nor
+    a falling load ends the pause, and a pause that runs out holds MIN_BACKOFF steps more
+    without doubling its back-off. Where it does repay, each ends the pause as before."""
+    asked = []
+
+    def pays(answer):
+        def resume_pays(gain):
+            asked.append(gain)
+            return answer
+        return resume_pays
+
+    c = VerifyLengthController(_ByConfidence(), SpecStats())
+    c.skip_steps = c.backoff = c.MAX_BACKOFF
+    c.expected[(1, 4, 0.7)] = 1.5  # hopeful: new text would be tried
+    assert c.paused(1, 4, 1, new_text=True, resume_pays=pays(False)) and c.declined_text
+    assert asked == [1.5] and c.trial_passes == 0 and c.skip_steps == c.MAX_BACKOFF - 1
+    assert not c.paused(1, 4, 1, new_text=True, resume_pays=pays(True)) and c.trial_passes > 0
+    c.skip_steps, c.lost_at, c.trial_passes = 8, 8, 0  # fewer requests than when drafting lost
+    c.expected[(2, 4, None)] = 1.25
+    assert c.paused(2, 4, 2, resume_pays=pays(False)) and asked[-1] == 1.25 and c.skip_steps == 7
+    assert not c.paused(2, 4, 2, resume_pays=pays(True)) and c.skip_steps == 0
+    c.skip_steps, c.lost_at, c.backoff = 1, 0, 32  # the pause runs out where drafting would pay
+    assert c.paused(2, 4, 2, resume_pays=pays(False))
+    assert c.skip_steps == c.MIN_BACKOFF and c.backoff == 32 and not c.resumed
+    for _ in range(c.MIN_BACKOFF):
+        assert c.paused(2, 4, 2, resume_pays=pays(True))
+    assert c.resumed and not c.paused(2, 4, 2, resume_pays=pays(True))
+
+
 def test_a_measured_win_beyond_its_noise_outweighs_a_doubtful_belief():
     """Drafting steps measured paying beyond one standard error keep drafting on at that load
     while the policy reads each pass as a loss; at a load with no measured win, and with the

@@ -291,3 +291,63 @@ def test_drafting_resumed_after_pauses_matches_plain_decoding(folders, fresh, mo
     assert not paused & set(reads) and len(paused) >= 6
     assert sum(i - 1 in paused for i in reads) >= 2  # drafting resumed right after pauses
     assert engine.spec_stats.accepted > 0
+
+
+def test_deferred_context_counts_live_rows_and_prunes_rows_that_left(folders, fresh, monkeypatch):
+    """While drafting pauses, the context keeps count of the queued rows of requests still
+    running (what the catch-up will write); a request that finishes drops its rows from that
+    count, and a queue past MAX_PENDING_ROWS drops them outright instead of writing the rest.
+    The catch-up then writes the live rows alone, times them (seconds per row, which prices the
+    next catch-up) and leaves a context equal to a fresh computation."""
+    engine = make_engine(folders["target"], folders["dspark"], ngram_assist=0, enable_prefix_caching=False)
+    ctx = engine.spec.proposer.context
+    writes, done = [], {}
+
+    def step():
+        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+
+    _spy(monkeypatch, engine.spec.proposer.drafter, "write_context", writes)
+    prompts = alphabet_prompts([150, 20, 25], seed=21)  # p0 leaves the most rows behind
+    params = [dataclasses.replace(GREEDY, max_tokens=n) for n in (12, 40, 40)]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"p{i}", p, sp)
+    _pause(engine, 10**6)  # from the start: the prompts' rows wait too
+    step()
+    short = next(s for s in engine.running if s.request_id == "p0")
+    while not short.is_finished:
+        step()
+    running = [s for s in engine.running if not s.is_finished]
+    live = sum(n for _, entries in ctx.pending for s, _, _, n in entries if s in running)
+    assert not writes and ctx.live_rows == live < ctx.pending_rows
+    monkeypatch.setattr(ctx, "MAX_PENDING_ROWS", ctx.pending_rows)  # the next step overflows
+    step()
+    assert not writes and ctx.pending_rows == ctx.live_rows == live + len(running)  # p0's rows pruned
+    monkeypatch.setattr(ctx, "TIMED_ROWS", 1)
+    engine.spec.controller.skip_steps = 1  # the next step's commit writes the catch-up
+    step()
+    assert len(writes) == 1 and writes[0][0][0].shape[0] == live + 2 * len(running)
+    assert ctx.live_rows == ctx.pending_rows == 0 and ctx.catch_up_seconds() == 0.0 and ctx.seconds_per_row > 0
+    for s in running:
+        check_caches(engine, fresh, s)
+    while engine.has_unfinished():
+        step()
+    assert [done[f"p{i}"] for i in range(3)] == [_plain(folders, [p], sp)[0] for p, sp in zip(prompts, params)]
+
+
+def test_a_pause_ends_only_where_the_tokens_left_repay_its_catch_up(folders, monkeypatch):
+    """_catch_up_pays: drafting at gain g saves 1 - 1/g of a plain step (the cost model's) per
+    token the decoding requests have left (their median); the pause may end where that exceeds
+    the catch-up's expected seconds, and always where nothing waits to be written."""
+    engine = make_engine(folders["target"], folders["dspark"], ngram_assist=0, policy="load-aware")
+    for i, (p, n) in enumerate(zip(alphabet_prompts([20, 25, 30], seed=22), (10, 30, 50))):
+        engine.add_request(f"p{i}", p, dataclasses.replace(GREEDY, max_tokens=n))
+    while engine.waiting or any(s.in_prefill for s in engine.running):
+        engine.step()
+    seqs = list(engine.running)
+    left = sorted(s.params.max_tokens - len(s.output_ids) for s in seqs)[1]
+    saved = 0.5 * left * engine.spec.policy.cost(3)  # at gain 2
+    spec = engine.spec
+    for seconds, gain, pays in ((0.0, 1.0, True), (0.99 * saved, 2.0, True), (1.01 * saved, 2.0, False),
+                                (0.01 * saved, 1.0, False)):
+        monkeypatch.setattr(spec.proposer, "catch_up_seconds", lambda s=seconds: s)
+        assert spec._catch_up_pays(seqs, gain) is pays, (seconds, gain)

@@ -13,7 +13,8 @@ drafting last lost, the pause ends at once. So the back-off can be long under st
 keeping a load that fell from speculating. Once every request a pause began with has left, new
 text may get trial passes (text that paused drafting is no verdict on other text); where such
 trials over several requests pause again, the next new text at that load starts none, for a
-back-off of its own.
+back-off of its own. No pause ends, by any of these routes, where the decoding requests have too
+few tokens left to repay writing the drafter context it deferred (paused's resume_pays).
 
 The policy's gain is a belief: the drafts' confidences priced by a cost model that a shared
 machine's drift can leave behind. So the controller also measures, per number of decoding
@@ -25,6 +26,7 @@ pauses drafting wherever the measured ratio says it loses, whatever the belief.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import torch
 
@@ -94,11 +96,15 @@ class VerifyLengthController:
         self.widths: collections.deque[int] = collections.deque(maxlen=self.WIDTH_WINDOW)
 
     def paused(self, R: int = 1, width: int = 1, decodes: int | None = None, new_text: bool = False,
-               prompts_waiting: bool = False) -> bool:
+               prompts_waiting: bool = False, resume_pays: Callable[[float], bool] | None = None) -> bool:
         """Whether this step, with R requests that could draft up to width tokens (of `decodes`
         decoding requests), drafts nothing (counts the paused step, unless prompts_waiting: prompts
         wait to be prefilled beside the decodes, and the pause holds). new_text: every request
-        that was decoding when this pause began has left."""
+        that was decoding when this pause began has left. resume_pays(gain): whether drafting at
+        that expected gain repays what ending the pause costs first (the paused steps' drafter
+        context, written before the first pass): a pause that would end early (new text, fewer
+        requests than lost) stays on where it does not, and one that runs out holds
+        MIN_BACKOFF steps more (None: it always does)."""
         D = decodes or R
         self.declined_text = False
         if self.skip_steps == 0:
@@ -112,7 +118,10 @@ class VerifyLengthController:
             # them beside the prompt rows, mostly cuts (a burst's ramp ended the pause that the
             # last burst's requests had left, and its prompts went in thin slices)
             return True
-        if new_text and self.hopeful_gain(R, width) >= 1.0:
+        hopeful = self.hopeful_gain(R, width) if new_text else 0.0
+        if hopeful >= 1.0 and resume_pays is not None and not resume_pays(hopeful):
+            self.declined_text = True  # too little left to write the context for: as a skip
+        elif hopeful >= 1.0:
             # what paused drafting was measured on text that has left: the drafting rate at D and
             # the running acceptance only move while drafting runs, so a few hard tokens at a
             # request's start kept a fresh server at one request from drafting for hundreds of
@@ -128,7 +137,7 @@ class VerifyLengthController:
                 self._restart_drafting_rate(D)
                 return False
         gain = self._judged(self.expected_gain(R, width), D)
-        if R < self.lost_at and gain >= 1.0:
+        if R < self.lost_at and gain >= 1.0 and (resume_pays is None or resume_pays(gain)):
             # that average was another load's: try again now, keeping the back-off (under serving
             # churn the load dips below lost_at every few steps, and each dip resetting it made
             # the drafter probe, context catch-up included, every few dozen steps)
@@ -141,6 +150,8 @@ class VerifyLengthController:
             # steps keeps those rates current)
             self.skip_steps = self.backoff
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+        elif self.skip_steps == 0 and gain >= 1.0 and resume_pays is not None and not resume_pays(gain):
+            self.skip_steps = self.MIN_BACKOFF  # not a loss: the back-off stays
         self.resumed = self.skip_steps == 0
         return True
 

@@ -3,6 +3,8 @@ the drafter's own paged K/V, with writes deferred while drafting pauses."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from dspark.engine.sequence import Sequence
@@ -25,9 +27,17 @@ class DrafterContext:
     0.2 ms to a 23 ms step and writing a row later ~0.02 ms, while recomputing 4 skipped positions
     per request took 36 ms and 16 took 120 ms (1.5 and 5 steps); under CUDA graphs the capture is
     part of the replayed graph. A request that never drafts (SpecRunner.commit) queues nothing,
-    and a pass with no such request captures nothing (SpecRunner.capture_for)."""
+    and a pass with no such request captures nothing (SpecRunner.capture_for).
+
+    What the next drafter pass will pay first for the deferred writes (catch_up_seconds) is the
+    pending rows of requests still running, priced at the seconds per row that earlier catch-ups
+    measured: a pause that ends where too few tokens are left to repay it stays on
+    (SpecRunner.begin_step)."""
 
     MAX_PENDING_ROWS = 8192  # past this, write anyway (bounded memory under a flood of prefills)
+    # only writes of at least this many rows time the seconds per row (a few rows' time is the
+    # calls' overhead); the EMA weight of each new timing
+    TIMED_ROWS, ROW_TIME_EMA = 64, 0.3
 
     def __init__(self, drafter, kv, pool, device: torch.device, next_ids: bool = False):
         # next_ids: the drafter's K/V at a position also read the token after it (EAGLE-3)
@@ -36,6 +46,9 @@ class DrafterContext:
         # (seq, its preemption count then, first position, rows))
         self.pending: list[tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]] = []
         self.pending_rows = 0
+        self.live_rows = 0  # pending rows of requests that have not finished or been preempted since
+        self._rows_of: dict[int, int] = {}  # request id -> its pending rows
+        self.seconds_per_row: float | None = None  # what a catch-up write costs a row (measured)
 
     def add(self, ctx_rows, feats: torch.Tensor, flush: bool, prompts_now: bool = False) -> None:
         """Queue the kept rows of one step ((seq, first new position, rows) per request) and write
@@ -53,13 +66,21 @@ class DrafterContext:
             if p < len(kept):
                 rows.extend(kept[p:])
                 entries.append((seq, seq.num_preemptions, start + p, len(kept) - p))
+                self._rows_of[seq.seq_id] = self._rows_of.get(seq.seq_id, 0) + len(kept) - p
         if now:
             self._write([(self._rows(feats, now_rows), now)])
         if rows:  # a pass's features are its own (ForwardResult): kept whole, or the kept rows gathered
             self.pending.append((self._rows(feats, rows), entries))
             self.pending_rows += len(rows)
-        if flush or self.pending_rows > self.MAX_PENDING_ROWS:
+            self.live_rows += len(rows)
+        if flush:
             self.flush()
+        elif self.pending_rows > self.MAX_PENDING_ROWS:
+            # mostly rows of requests that have left (a long pause under churn): drop those;
+            # write only what is still too much
+            self._prune()
+            if self.pending_rows > self.MAX_PENDING_ROWS // 2:
+                self.flush()
 
     @property
     def prompts_pending(self) -> bool:
@@ -69,14 +90,45 @@ class DrafterContext:
     def _rows(self, feats: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return feats if rows == list(range(feats.shape[0])) else feats[torch.tensor(rows, device=self.device)]
 
+    def _prune(self) -> None:
+        """Drop the pending rows of requests that finished or were preempted since."""
+        kept, total = [], 0
+        for f, entries in self.pending:
+            keep, live, at = [], [], 0
+            for seq, preemptions, start, n in entries:
+                if not seq.is_finished and seq.num_preemptions == preemptions:
+                    keep.extend(range(at, at + n))
+                    live.append((seq, preemptions, start, n))
+                at += n
+            if live:
+                kept.append((f if len(keep) == at else f[torch.tensor(keep, device=f.device)], live))
+                total += len(keep)
+        self.pending, self.pending_rows = kept, total
+
+    def release(self, seq_id: int) -> None:
+        """seq_id finished or was preempted: its pending rows will not be written (_write)."""
+        self.live_rows -= self._rows_of.pop(seq_id, 0)
+
+    def catch_up_seconds(self) -> float:
+        """Seconds the next flush is expected to take: the live pending rows at the measured
+        seconds per row (0 while nothing is pending or no catch-up has been timed yet)."""
+        return self.live_rows * (self.seconds_per_row or 0.0)
+
     def flush(self) -> None:
         """Write every pending position into the drafter's cache."""
-        pending, self.pending, self.pending_rows = self.pending, [], 0
-        self._write(pending)
+        pending, self.pending, self.pending_rows, self.live_rows = self.pending, [], 0, 0
+        self._rows_of.clear()
+        t0 = time.perf_counter()
+        rows = self._write(pending)
+        if rows >= self.TIMED_ROWS:
+            per = (time.perf_counter() - t0) / rows
+            old = self.seconds_per_row
+            self.seconds_per_row = per if old is None else old + self.ROW_TIME_EMA * (per - old)
 
-    def _write(self, steps: list) -> None:
-        """Write (features, entries) pairs as queued by add. A request that finished or was
-        preempted since is skipped: its pages are gone, or its new prefill rewrites them."""
+    def _write(self, steps: list) -> int:
+        """Write (features, entries) pairs as queued by add; returns the rows written. A request
+        that finished or was preempted since is skipped: its pages are gone, or its new prefill
+        rewrites them."""
         feats, slots, positions, after = [], [], [], []
         for f, entries in steps:
             keep, at = [], 0
@@ -96,3 +148,4 @@ class DrafterContext:
             self.drafter.write_context(feats[0] if len(feats) == 1 else torch.cat(feats),
                                        torch.tensor(positions, device=dev), torch.tensor(slots, device=dev), self.kv,
                                        *extra)
+        return len(positions)

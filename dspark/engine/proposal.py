@@ -105,6 +105,10 @@ class Proposer:
     def release(self, seq_id: int) -> None:
         """seq_id finished or was preempted: drop what is kept for it."""
 
+    def catch_up_seconds(self) -> float:
+        """Seconds the next pass spends first on context that paused steps deferred (0: none)."""
+        return 0.0
+
     def context_headroom(self) -> int:
         """Cache slots past a request's context one draft pass may write."""
         return 0

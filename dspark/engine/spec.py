@@ -174,13 +174,28 @@ class SpecRunner:
             if self._paused_with is None:  # paused without a pass of ours saying so (_propose)
                 self._paused_with = ids
             new_text = self._paused_with.isdisjoint(ids)
-        self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs), new_text, prompts_waiting)
+        self.paused = self.controller.paused(len(rooms), max(rooms), len(seqs), new_text, prompts_waiting,
+                                             resume_pays=lambda gain: self._catch_up_pays(seqs, gain))
         if self.controller.declined_text:  # the next new text: once these requests have left
             self._paused_with = ids
         if self.paused and self.lookups:
             # the prefill tokens are not planned yet: priced as none (propose checks again); and
             # what paused steps that verified lookups measured at this load
             self.lookups = self._lookups_pay(len(seqs), 0) and self.controller.lookups_pay(len(seqs))
+
+    def _catch_up_pays(self, seqs: list[Sequence], gain: float) -> bool:
+        """Whether ending a pause over these decoding requests repays its catch-up: the first
+        drafter pass writes the context the paused steps deferred (DrafterContext), and drafting
+        at `gain` saves 1 - 1/gain of a plain step (the policy's cost model) for each token the
+        requests have left (their median; a stop may end them sooner). At a level's tail the
+        last requests, a few tokens from their ends, resumed drafting and wrote a thousand or
+        more paused rows first, the time of two plain steps, for nothing."""
+        seconds = self.proposer.catch_up_seconds()
+        cost = getattr(self.policy, "cost", None)
+        if not seconds or cost is None:
+            return True
+        left = sorted(s.params.max_tokens - len(s.output_ids) for s in seqs)
+        return (1.0 - 1.0 / gain) * left[len(left) // 2] * cost(len(seqs)) > seconds
 
     def _lookups_pay(self, rows: int, other_tokens: int) -> bool:
         """Whether the policy would verify any looked-up token in a pass of `rows` decoding rows

@@ -138,3 +138,9 @@ class BlockProposer(Proposer):
     def commit(self, ctx_rows, feats: torch.Tensor | None, flush: bool, prompts_now: bool = False) -> None:
         with torch.inference_mode():
             self.context.add(ctx_rows, feats, flush=flush, prompts_now=prompts_now)
+
+    def release(self, seq_id: int) -> None:
+        self.context.release(seq_id)
+
+    def catch_up_seconds(self) -> float:
+        return self.context.catch_up_seconds()

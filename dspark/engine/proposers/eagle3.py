@@ -59,6 +59,10 @@ class Eagle3Proposer(Proposer):
 
     def release(self, seq_id: int) -> None:
         self.last.pop(seq_id, None)
+        self.context.release(seq_id)
+
+    def catch_up_seconds(self) -> float:
+        return self.context.catch_up_seconds()
 
     def draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
         dev = self.target.device

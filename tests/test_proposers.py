@@ -331,6 +331,11 @@ def test_a_pause_that_cannot_repay_its_catch_up_stays_on():
     for _ in range(c.MIN_BACKOFF):
         assert c.paused(2, 4, 2, resume_pays=pays(True))
     assert c.resumed and not c.paused(2, 4, 2, resume_pays=pays(True))
+    c.skip_steps, c.resumed = 1, False  # a catch-up that never pays holds MAX_BACKOFF steps, then a probe
+    steps = 0
+    while c.paused(2, 4, 2, resume_pays=pays(False)) and not c.resumed:
+        steps += 1
+    assert c.resumed and steps == c.MAX_BACKOFF and c.held == 0
 
 
 def test_a_measured_win_beyond_its_noise_outweighs_a_doubtful_belief():

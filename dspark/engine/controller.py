@@ -80,6 +80,7 @@ class VerifyLengthController:
         self.lost_at = 0  # drafting requests in the pass that last paused drafting
         self.trial_passes = 0  # passes left that try new text (paused): no pause before they run
         self.resumed = False  # a pause just ended: the next pass is a probe
+        self.held = 0  # steps a pause that ran out was held for its catch-up (paused's resume_pays)
         self.text_probe: int | None = None  # requests of the new-text trial being judged
         # requests (two or more) -> [new-text events still to skip, their back-off]: where a trial
         # on new text paused drafting again (skip_text)
@@ -103,8 +104,10 @@ class VerifyLengthController:
         that was decoding when this pause began has left. resume_pays(gain): whether drafting at
         that expected gain repays what ending the pause costs first (the paused steps' drafter
         context, written before the first pass): a pause that would end early (new text, fewer
-        requests than lost) stays on where it does not, and one that runs out holds
-        MIN_BACKOFF steps more (None: it always does)."""
+        requests than lost) stays on where it does not, and one that runs out where drafting
+        would pay holds MIN_BACKOFF steps more, up to MAX_BACKOFF in all (None: it always does).
+        A pause that runs out where drafting loses is a probe to keep the rates current and
+        never asks."""
         D = decodes or R
         self.declined_text = False
         if self.skip_steps == 0:
@@ -131,7 +134,7 @@ class VerifyLengthController:
             # a paused step like the others
             self.declined_text = self.skip_text(R)
             if not self.declined_text:
-                self.skip_steps, self.gain, self.resumed = 0, 1.0, True
+                self.skip_steps, self.gain, self.resumed, self.held = 0, 1.0, True, 0
                 self.trial_passes = self.trial_passes_at(R)
                 self.text_probe = R
                 self._restart_drafting_rate(D)
@@ -141,7 +144,7 @@ class VerifyLengthController:
             # that average was another load's: try again now, keeping the back-off (under serving
             # churn the load dips below lost_at every few steps, and each dip resetting it made
             # the drafter probe, context catch-up included, every few dozen steps)
-            self.skip_steps, self.gain, self.resumed = 0, 1.0, True
+            self.skip_steps, self.gain, self.resumed, self.held = 0, 1.0, True, 0
             return False
         self.skip_steps -= 1
         if self.skip_steps == 0 and self.backoff < self.MAX_BACKOFF and gain < 1.0:
@@ -150,9 +153,15 @@ class VerifyLengthController:
             # steps keeps those rates current)
             self.skip_steps = self.backoff
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
-        elif self.skip_steps == 0 and gain >= 1.0 and resume_pays is not None and not resume_pays(gain):
-            self.skip_steps = self.MIN_BACKOFF  # not a loss: the back-off stays
+        elif self.skip_steps == 0 and gain >= 1.0 and self.held < self.MAX_BACKOFF \
+                and resume_pays is not None and not resume_pays(gain):
+            # not a loss: the back-off stays; held at most MAX_BACKOFF steps, then a probe as
+            # after any pause (the running rates move only while drafting runs)
+            self.skip_steps = self.MIN_BACKOFF
+            self.held += self.MIN_BACKOFF
         self.resumed = self.skip_steps == 0
+        if self.resumed:
+            self.held = 0
         return True
 
     @property

@@ -116,14 +116,21 @@ class DrafterContext:
 
     def flush(self) -> None:
         """Write every pending position into the drafter's cache."""
+        timed = self.pending_rows >= self.TIMED_ROWS
         pending, self.pending, self.pending_rows, self.live_rows = self.pending, [], 0, 0
         self._rows_of.clear()
+        self._sync(timed)  # a GPU's queued work is not the write's
         t0 = time.perf_counter()
         rows = self._write(pending)
-        if rows >= self.TIMED_ROWS:
+        self._sync(timed)
+        if timed and rows >= self.TIMED_ROWS:
             per = (time.perf_counter() - t0) / rows
             old = self.seconds_per_row
             self.seconds_per_row = per if old is None else old + self.ROW_TIME_EMA * (per - old)
+
+    def _sync(self, timed: bool) -> None:
+        if timed and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _write(self, steps: list) -> int:
         """Write (features, entries) pairs as queued by add; returns the rows written. A request

@@ -121,8 +121,9 @@ class VerifyLengthController:
             # them beside the prompt rows, mostly cuts (a burst's ramp ended the pause that the
             # last burst's requests had left, and its prompts went in thin slices)
             return True
+        pays = resume_pays or (lambda gain: True)
         hopeful = self.hopeful_gain(R, width) if new_text else 0.0
-        if hopeful >= 1.0 and resume_pays is not None and not resume_pays(hopeful):
+        if hopeful >= 1.0 and not pays(hopeful):
             self.declined_text = True  # too little left to write the context for: as a skip
         elif hopeful >= 1.0:
             # what paused drafting was measured on text that has left: the drafting rate at D and
@@ -140,7 +141,7 @@ class VerifyLengthController:
                 self._restart_drafting_rate(D)
                 return False
         gain = self._judged(self.expected_gain(R, width), D)
-        if R < self.lost_at and gain >= 1.0 and (resume_pays is None or resume_pays(gain)):
+        if R < self.lost_at and gain >= 1.0 and pays(gain):
             # that average was another load's: try again now, keeping the back-off (under serving
             # churn the load dips below lost_at every few steps, and each dip resetting it made
             # the drafter probe, context catch-up included, every few dozen steps)
@@ -153,8 +154,7 @@ class VerifyLengthController:
             # steps keeps those rates current)
             self.skip_steps = self.backoff
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
-        elif self.skip_steps == 0 and gain >= 1.0 and self.held < self.MAX_BACKOFF \
-                and resume_pays is not None and not resume_pays(gain):
+        elif self.skip_steps == 0 and gain >= 1.0 and self.held < self.MAX_BACKOFF and not pays(gain):
             # not a loss: the back-off stays; held at most MAX_BACKOFF steps, then a probe as
             # after any pause (the running rates move only while drafting runs)
             self.skip_steps = self.MIN_BACKOFF

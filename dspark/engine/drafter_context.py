@@ -46,8 +46,7 @@ class DrafterContext:
         # (seq, its preemption count then, first position, rows))
         self.pending: list[tuple[torch.Tensor, list[tuple[Sequence, int, int, int]]]] = []
         self.pending_rows = 0
-        self.live_rows = 0  # pending rows of requests that have not finished or been preempted since
-        self._rows_of: dict[int, int] = {}  # request id -> its pending rows
+        self._rows_of: dict[int, int] = {}  # request id -> its pending rows, while it runs (live_rows)
         self.seconds_per_row: float | None = None  # what a catch-up write costs a row (measured)
 
     def add(self, ctx_rows, feats: torch.Tensor, flush: bool, prompts_now: bool = False) -> None:
@@ -72,7 +71,6 @@ class DrafterContext:
         if rows:  # a pass's features are its own (ForwardResult): kept whole, or the kept rows gathered
             self.pending.append((self._rows(feats, rows), entries))
             self.pending_rows += len(rows)
-            self.live_rows += len(rows)
         if flush:
             self.flush()
         elif self.pending_rows > self.MAX_PENDING_ROWS:
@@ -90,24 +88,34 @@ class DrafterContext:
     def _rows(self, feats: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return feats if rows == list(range(feats.shape[0])) else feats[torch.tensor(rows, device=self.device)]
 
-    def _prune(self) -> None:
-        """Drop the pending rows of requests that finished or were preempted since."""
-        kept, total = [], 0
-        for f, entries in self.pending:
+    @staticmethod
+    def _live(steps: list):  # noqa: ANN205 - a generator of add's (features, entries) pairs
+        """Queued (features, entries) pairs without the requests that finished or were preempted
+        since (their pages are gone, or their new prefill rewrites them); steps left empty go."""
+        for f, entries in steps:
             keep, live, at = [], [], 0
-            for seq, preemptions, start, n in entries:
+            for entry in entries:
+                seq, preemptions, _, n = entry
                 if not seq.is_finished and seq.num_preemptions == preemptions:
                     keep.extend(range(at, at + n))
-                    live.append((seq, preemptions, start, n))
+                    live.append(entry)
                 at += n
             if live:
-                kept.append((f if len(keep) == at else f[torch.tensor(keep, device=f.device)], live))
-                total += len(keep)
-        self.pending, self.pending_rows = kept, total
+                yield (f if len(keep) == at else f[torch.tensor(keep, device=f.device)]), live
+
+    def _prune(self) -> None:
+        """Drop the pending rows of requests that finished or were preempted since."""
+        self.pending = list(self._live(self.pending))
+        self.pending_rows = sum(f.shape[0] for f, _ in self.pending)
+
+    @property
+    def live_rows(self) -> int:
+        """Pending rows of requests that have neither finished nor been preempted since."""
+        return sum(self._rows_of.values())
 
     def release(self, seq_id: int) -> None:
         """seq_id finished or was preempted: its pending rows will not be written (_write)."""
-        self.live_rows -= self._rows_of.pop(seq_id, 0)
+        self._rows_of.pop(seq_id, None)
 
     def catch_up_seconds(self) -> float:
         """Seconds the next flush is expected to take: the live pending rows at the measured
@@ -116,14 +124,14 @@ class DrafterContext:
 
     def flush(self) -> None:
         """Write every pending position into the drafter's cache."""
-        timed = self.pending_rows >= self.TIMED_ROWS
-        pending, self.pending, self.pending_rows, self.live_rows = self.pending, [], 0, 0
+        timed = self.live_rows >= self.TIMED_ROWS
+        pending, self.pending, self.pending_rows = self.pending, [], 0
         self._rows_of.clear()
         self._sync(timed)  # a GPU's queued work is not the write's
         t0 = time.perf_counter()
         rows = self._write(pending)
         self._sync(timed)
-        if timed and rows >= self.TIMED_ROWS:
+        if timed and rows:
             per = (time.perf_counter() - t0) / rows
             old = self.seconds_per_row
             self.seconds_per_row = per if old is None else old + self.ROW_TIME_EMA * (per - old)
@@ -133,22 +141,16 @@ class DrafterContext:
             torch.cuda.synchronize(self.device)
 
     def _write(self, steps: list) -> int:
-        """Write (features, entries) pairs as queued by add; returns the rows written. A request
-        that finished or was preempted since is skipped: its pages are gone, or its new prefill
-        rewrites them."""
+        """Write (features, entries) pairs as queued by add, but for requests that have left
+        (_live); returns the rows written."""
         feats, slots, positions, after = [], [], [], []
-        for f, entries in steps:
-            keep, at = [], 0
-            for seq, preemptions, start, n in entries:
-                if not seq.is_finished and seq.num_preemptions == preemptions:
-                    keep.extend(range(at, at + n))
-                    slots.extend(self.pool.slots(seq.seq_id, start, start + n))
-                    positions.extend(range(start, start + n))
-                    if self.next_ids:  # committed by now: the commit appended the step's tokens
-                        after.extend(seq.all_ids[start + 1:start + n + 1])
-                at += n
-            if keep:
-                feats.append(f if len(keep) == at else f[torch.tensor(keep, device=f.device)])
+        for f, entries in self._live(steps):
+            feats.append(f)
+            for seq, _, start, n in entries:
+                slots.extend(self.pool.slots(seq.seq_id, start, start + n))
+                positions.extend(range(start, start + n))
+                if self.next_ids:  # committed by now: the commit appended the step's tokens
+                    after.extend(seq.all_ids[start + 1:start + n + 1])
         if feats:
             dev = self.device
             extra = (torch.tensor(after, device=dev),) if self.next_ids else ()

@@ -10,6 +10,7 @@ DrafterContext for why capturing them beats recomputing them when drafting resum
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -194,8 +195,8 @@ class SpecRunner:
         cost = getattr(self.policy, "cost", None)
         if not seconds or cost is None:
             return True
-        left = sorted(s.params.max_tokens - len(s.output_ids) for s in seqs)
-        return (1.0 - 1.0 / gain) * left[len(left) // 2] * cost(len(seqs)) > seconds
+        left = statistics.median_high(s.params.max_tokens - len(s.output_ids) for s in seqs)
+        return (1.0 - 1.0 / gain) * left * cost(len(seqs)) > seconds
 
     def _lookups_pay(self, rows: int, other_tokens: int) -> bool:
         """Whether the policy would verify any looked-up token in a pass of `rows` decoding rows

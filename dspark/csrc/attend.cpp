@@ -243,6 +243,79 @@ void attend_causal_impl(const T* qp, int64_t sq0, int64_t sq1, const T* kc, cons
     }
   });
 }
+constexpr int kVec = 16;  // floats in one register: head_dim = kVec * C
+#elif defined(__AVX2__)
+constexpr int kVec = 8;
+
+// The 8 lanes of v summed in one fixed tree (halves, then pairs).
+inline float hsum8(__m256 v) {
+  const __m128 q = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, 1));
+}
+
+// The AVX512 path's softmax_values_heads in 8 lanes: each head's value sum stays in registers
+// (C of them) while it walks the keys, instead of a load and a store of the whole row per key;
+// one head at a time, since 16 registers hold one head's sums and the value rows it reads.
+template <int C, int NH, typename T>
+void softmax_values_heads(float* const* score, const float* mx, const int64_t* slots, int64_t n, const T* vc,
+                          int64_t stride, T* const* orow) {
+  for (int h = 0; h < NH; ++h) {
+    exp_inplace(score[h], n, mx[h]);
+    float total = 0.f;
+    for (int64_t j = 0; j < n; ++j) total += score[h][j];
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vr = vc + slots[j] * stride;
+      const __m256 p = _mm256_set1_ps(score[h][j]);
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), acc[c]);
+    }
+    const __m256 inv = _mm256_set1_ps(total > 0.f ? 1.f / total : 0.f);
+    float tmp[8 * C];
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(tmp + 8 * c, _mm256_mul_ps(acc[c], inv));
+    for (int i = 0; i < 8 * C; ++i) orow[h][i] = static_cast<T>(tmp[i]);
+  }
+}
+
+// The AVX512 path's heads_attend in 8 lanes: each score as two FMA chains over the C chunks (even
+// and odd), added, then hsum8. The heads share each key's chunk loads; a head's bits do not depend
+// on NH, so a row decoded alone and the same row in a chain or a prompt chunk agree.
+template <int C, int NH, typename T>
+void heads_attend(const T* const* qr, const T* kc, const T* vc, const int64_t* slots, const bool* m, int64_t lmax,
+                  int64_t stride, float sc, float* const* score, int64_t* key, T* const* orow) {
+  static_assert(C % 2 == 0, "head_dim must be a multiple of 16");
+  float qf[NH][8 * C];  // the query rows in float32, read from L1 for every key
+  float mx[NH];
+  for (int h = 0; h < NH; ++h) {
+    for (int i = 0; i < 8 * C; ++i) qf[h][i] = f32(qr[h][i]);
+    mx[h] = -INFINITY;
+  }
+  int64_t seen = 0;
+  for (int64_t j = 0; j < lmax; ++j) {
+    if (!m[j]) continue;
+    const T* kr = kc + slots[j] * stride;
+    __m256 even[NH], odd[NH];
+    for (int h = 0; h < NH; ++h) {
+      even[h] = _mm256_mul_ps(_mm256_loadu_ps(qf[h]), load8(kr));
+      odd[h] = _mm256_mul_ps(_mm256_loadu_ps(qf[h] + 8), load8(kr + 8));
+    }
+    for (int c = 2; c < C; c += 2) {
+      const __m256 k0 = load8(kr + 8 * c), k1 = load8(kr + 8 * c + 8);
+      for (int h = 0; h < NH; ++h) {
+        even[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf[h] + 8 * c), k0, even[h]);
+        odd[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf[h] + 8 * c + 8), k1, odd[h]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      const float v = hsum8(_mm256_add_ps(even[h], odd[h])) * sc;
+      score[h][seen] = v;
+      mx[h] = v > mx[h] ? v : mx[h];
+    }
+    key[seen++] = slots[j];
+  }
+  softmax_values_heads<C, NH>(score, mx, key, seen, vc, stride, orow);
+}
 #endif
 
 // The checks attend and attend_causal share: q and out [rows, heads, head_dim], contiguous caches
@@ -301,7 +374,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const bool* m = mp + gi * lmax;
         const int64_t* slots = gp + g * lmax;
         scalar_t* orow = op + row * so0 + hh * so1;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
         if (d == 64 || d == 128) {
           // this item and the next ones of the same row and KV head in this range, at most kMaxHeads
           const int64_t nhere = std::min({kMaxHeads, (kvh + 1) * per_kv - hh, e - it});
@@ -328,8 +401,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
               default: run(c_tag, std::integral_constant<int, 4>{}); break;
             }
           };
-          if (d == 64) by_heads(std::integral_constant<int, 4>{});
-          else by_heads(std::integral_constant<int, 8>{});
+          if (d == 64) by_heads(std::integral_constant<int, 64 / kVec>{});
+          else by_heads(std::integral_constant<int, 128 / kVec>{});
           it += nhere - 1;
           continue;
         }

@@ -17,6 +17,13 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30)
 
 
+def _kernel_dtype() -> str:
+    """The dtype the int4 kernels run in here: bf16 on AMX / VNNI, float32 on AVX2 alone."""
+    from dspark.models import cpu_ops
+
+    return str(cpu_ops.quant_dtype()).removeprefix("torch.")
+
+
 def test_pool_shares_registered_pages_and_evicts_the_oldest_unheld():
     pool = PagePool(6, page_size=4, prefix_caching=True)
     ids = list(range(100, 114))  # 3 full pages + 2 tokens
@@ -158,13 +165,13 @@ def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter,
 
     ops = cpu_ops.quant()
     if ops is None or not hasattr(ops, "attend_causal"):
-        pytest.skip("needs the int4 kernels and the AVX512 causal attention")
+        pytest.skip("needs the int4 kernels and their causal attention")
     assert make_engine(folders["target"]).pool.prefix_caching is False
     target = save_tiny_target(tmp_path / "t64", predictable=False, head_dim=64)  # any changed bit shows
     base = alphabet_prompts([45], seed=7)[0]
     tails = alphabet_prompts([6, 11, 4], seed=8)
     prompts = [base + t for t in tails] + [base[:30] + tails[0]]
-    kw = dict(quantization="int4", dtype="bfloat16", prompt_gemm_min_tokens=gemm_min)
+    kw = dict(quantization="int4", dtype=_kernel_dtype(), prompt_gemm_min_tokens=gemm_min)
     ref = make_engine(target, drafter, enable_prefix_caching=False, max_num_batched_tokens=512, **kw)
     want = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in prompts])]
     cached = make_engine(target, drafter, max_num_batched_tokens=16, **kw)
@@ -229,12 +236,12 @@ def test_short_prompts_take_the_decode_kernels_and_cache_apart(tmp_path, folders
 
     ops = cpu_ops.quant()
     if ops is None or not hasattr(ops, "attend_causal"):
-        pytest.skip("needs the int4 kernels and the AVX512 causal attention")
+        pytest.skip("needs the int4 kernels and their causal attention")
     target = save_tiny_target(tmp_path / "t64", predictable=False, head_dim=64)
     base = alphabet_prompts([40], seed=9)[0]
     tails = alphabet_prompts([12, 3], seed=10)
     long_p, short_p = base + tails[0], base[:33] + tails[1]  # 52 and 36 tokens: pages 0-1 alike
-    kw = dict(quantization="int4", dtype="bfloat16", prompt_gemm_min_tokens=48)
+    kw = dict(quantization="int4", dtype=_kernel_dtype(), prompt_gemm_min_tokens=48)
     ref = make_engine(target, "none", enable_prefix_caching=False, **kw)
     want = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in (long_p, short_p)])]
     cached = make_engine(target, "none", max_num_batched_tokens=16, **kw)

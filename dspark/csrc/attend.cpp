@@ -7,6 +7,9 @@
 #include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include "attend_avx2.h"
+#endif
 
 #include <algorithm>
 #include <type_traits>
@@ -153,20 +156,34 @@ inline __m512 scores16(const float* qf, const float* kt, float sc) {
   return _mm512_mul_ps(s, _mm512_set1_ps(sc));
 }
 
+// The ISA's register for attend_causal_impl: kVec floats (head_dim = kVec * C), and its loads,
+// stores, key-block transpose and block scores.
+constexpr int kVec = 16;
+using VecF = __m512;
+template <typename T>
+inline VecF load_vec(const T* p) { return load16(p); }
+inline void store_vec(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline VecF zero_vec() { return _mm512_setzero_ps(); }
+inline void transpose_block(VecF* r) { transpose16(r); }
+template <int C>
+inline VecF block_scores(const float* qf, const float* kt, float sc) { return scores16<C>(qf, kt, sc); }
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
 // Causal groups (prompt chunks and chains): row q_index[g][i] sees the first visible[g][i] keys of
-// gather[g]. Each group's keys are transposed once per KV head into blocks of 16, shared by every
+// gather[g]. Each group's keys are transposed once per KV head into blocks of kVec, shared by every
 // row and query head that reads them, so a long prompt chunk costs a few instructions per key and
 // row instead of heads_attend's per-key horizontal sum, with heads_attend's bits.
 template <int C, typename T>
 void attend_causal_impl(const T* qp, int64_t sq0, int64_t sq1, const T* kc, const T* vc, int64_t nkv, int64_t nh,
                         const int64_t* gp, int64_t groups, int64_t lmax, const int64_t* qi, const int64_t* vis,
                         int64_t qmax, int64_t rows, float sc, T* op, int64_t so0, int64_t so1) {
-  constexpr int64_t d = 16 * C;
-  const int64_t nblk = (lmax + 15) / 16, per_kv = nh / nkv, stride = nkv * d;
+  constexpr int64_t d = kVec * C;
+  const int64_t nblk = (lmax + kVec - 1) / kVec, per_kv = nh / nkv, stride = nkv * d;
   // Each (group, KV head)'s keys transposed, once for every row and query head that reads them.
   // In the calling thread's scratch, kept between calls: every float read is written first, and a
   // fresh allocation of this size costs page faults each layer.
-  const size_t block_floats = static_cast<size_t>(d) * 16, blocks = static_cast<size_t>(groups * nkv * nblk);
+  const size_t block_floats = static_cast<size_t>(d) * kVec, blocks = static_cast<size_t>(groups * nkv * nblk);
   thread_local std::vector<float> scratch;
   if (scratch.size() < blocks * block_floats) scratch.resize(blocks * block_floats);
   float* const kt = scratch.data();
@@ -174,28 +191,28 @@ void attend_causal_impl(const T* qp, int64_t sq0, int64_t sq1, const T* kc, cons
     for (int64_t it = b; it < e; ++it) {
       const int64_t blk = it % nblk, g = it / nblk / nkv, kvh = it / nblk % nkv;
       float* dst = kt + it * block_floats;
-      const int64_t keys = std::min<int64_t>(16, lmax - blk * 16);
-      const T* kr[16];
-      for (int64_t jj = 0; jj < keys; ++jj) kr[jj] = kc + gp[g * lmax + blk * 16 + jj] * stride + kvh * d;
+      const int64_t keys = std::min<int64_t>(kVec, lmax - blk * kVec);
+      const T* kr[kVec];
+      for (int64_t jj = 0; jj < keys; ++jj) kr[jj] = kc + gp[g * lmax + blk * kVec + jj] * stride + kvh * d;
       for (int c = 0; c < C; ++c) {
-        __m512 r[16];
-        for (int64_t jj = 0; jj < 16; ++jj) r[jj] = jj < keys ? load16(kr[jj] + 16 * c) : _mm512_setzero_ps();
-        transpose16(r);
-        for (int x = 0; x < 16; ++x) _mm512_storeu_ps(dst + (16 * c + x) * 16, r[x]);
+        VecF r[kVec];
+        for (int64_t jj = 0; jj < kVec; ++jj) r[jj] = jj < keys ? load_vec(kr[jj] + kVec * c) : zero_vec();
+        transpose_block(r);
+        for (int x = 0; x < kVec; ++x) store_vec(dst + (kVec * c + x) * kVec, r[x]);
       }
     }
   });
   constexpr int64_t kRows = 4;  // query rows per work item
-  constexpr int64_t kHeads = C == 4 ? 4 : 2;  // query heads of a KV head whose sums run side by side
+  constexpr int64_t kHeads = d == 64 ? 4 : 2;  // query heads of a KV head whose sums run side by side
   const int64_t rblk = (qmax + kRows - 1) / kRows;
   at::parallel_for(0, groups * nkv * rblk, 1, [&](int64_t b, int64_t e) {
     // scores[r][h] of the item's rows and the KV head's query heads; each block of keys is read
     // once for all of them while it sits in L1
-    std::vector<float> score(kRows * per_kv * nblk * 16);
+    std::vector<float> score(kRows * per_kv * nblk * kVec);
     std::vector<float> qf(kRows * per_kv * d);
     for (int64_t it = b; it < e; ++it) {
       const int64_t rb = it % rblk, kvh = it / rblk % nkv, g = it / rblk / nkv;
-      const float* ktg = kt + (g * nkv + kvh) * nblk * d * 16;
+      const float* ktg = kt + (g * nkv + kvh) * nblk * d * kVec;
       int64_t rowid[kRows], n[kRows], most = 0;
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t i = rb * kRows + r;
@@ -205,16 +222,16 @@ void attend_causal_impl(const T* qp, int64_t sq0, int64_t sq1, const T* kc, cons
         most = std::max(most, n[r]);
         for (int64_t h = 0; h < per_kv && n[r] > 0; ++h) {
           const T* qr = qp + rowid[r] * sq0 + (kvh * per_kv + h) * sq1;
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(qf.data() + (r * per_kv + h) * d + 16 * c, load16(qr + 16 * c));
+          for (int c = 0; c < C; ++c) store_vec(qf.data() + (r * per_kv + h) * d + kVec * c, load_vec(qr + kVec * c));
         }
       }
-      for (int64_t blk = 0; blk * 16 < most; ++blk) {
-        const float* kb = ktg + blk * d * 16;
+      for (int64_t blk = 0; blk * kVec < most; ++blk) {
+        const float* kb = ktg + blk * d * kVec;
         for (int64_t r = 0; r < kRows; ++r) {
-          if (blk * 16 >= n[r]) continue;
+          if (blk * kVec >= n[r]) continue;
           for (int64_t h = 0; h < per_kv; ++h) {
             const int64_t rh = r * per_kv + h;
-            _mm512_storeu_ps(score.data() + rh * nblk * 16 + blk * 16, scores16<C>(qf.data() + rh * d, kb, sc));
+            store_vec(score.data() + rh * nblk * kVec + blk * kVec, block_scores<C>(qf.data() + rh * d, kb, sc));
           }
         }
       }
@@ -228,7 +245,7 @@ void attend_causal_impl(const T* qp, int64_t sq0, int64_t sq1, const T* kc, cons
           float mx[kHeads];
           T* out_h[kHeads];
           for (int64_t h = 0; h < nhere; ++h) {
-            rows_h[h] = score.data() + (r * per_kv + h0 + h) * nblk * 16;
+            rows_h[h] = score.data() + (r * per_kv + h0 + h) * nblk * kVec;
             out_h[h] = op + rowid[r] * so0 + (kvh * per_kv + h0 + h) * so1;
             mx[h] = max_of(rows_h[h], n[r]);
           }
@@ -242,79 +259,6 @@ void attend_causal_impl(const T* qp, int64_t sq0, int64_t sq1, const T* kc, cons
       }
     }
   });
-}
-constexpr int kVec = 16;  // floats in one register: head_dim = kVec * C
-#elif defined(__AVX2__)
-constexpr int kVec = 8;
-
-// The 8 lanes of v summed in one fixed tree (halves, then pairs).
-inline float hsum8(__m256 v) {
-  const __m128 q = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, 1));
-}
-
-// The AVX512 path's softmax_values_heads in 8 lanes: each head's value sum stays in registers
-// (C of them) while it walks the keys, instead of a load and a store of the whole row per key;
-// one head at a time, since 16 registers hold one head's sums and the value rows it reads.
-template <int C, int NH, typename T>
-void softmax_values_heads(float* const* score, const float* mx, const int64_t* slots, int64_t n, const T* vc,
-                          int64_t stride, T* const* orow) {
-  for (int h = 0; h < NH; ++h) {
-    exp_inplace(score[h], n, mx[h]);
-    float total = 0.f;
-    for (int64_t j = 0; j < n; ++j) total += score[h][j];
-    __m256 acc[C];
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vr = vc + slots[j] * stride;
-      const __m256 p = _mm256_set1_ps(score[h][j]);
-      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), acc[c]);
-    }
-    const __m256 inv = _mm256_set1_ps(total > 0.f ? 1.f / total : 0.f);
-    float tmp[8 * C];
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(tmp + 8 * c, _mm256_mul_ps(acc[c], inv));
-    for (int i = 0; i < 8 * C; ++i) orow[h][i] = static_cast<T>(tmp[i]);
-  }
-}
-
-// The AVX512 path's heads_attend in 8 lanes: each score as two FMA chains over the C chunks (even
-// and odd), added, then hsum8. The heads share each key's chunk loads; a head's bits do not depend
-// on NH, so a row decoded alone and the same row in a chain or a prompt chunk agree.
-template <int C, int NH, typename T>
-void heads_attend(const T* const* qr, const T* kc, const T* vc, const int64_t* slots, const bool* m, int64_t lmax,
-                  int64_t stride, float sc, float* const* score, int64_t* key, T* const* orow) {
-  static_assert(C % 2 == 0, "head_dim must be a multiple of 16");
-  float qf[NH][8 * C];  // the query rows in float32, read from L1 for every key
-  float mx[NH];
-  for (int h = 0; h < NH; ++h) {
-    for (int i = 0; i < 8 * C; ++i) qf[h][i] = f32(qr[h][i]);
-    mx[h] = -INFINITY;
-  }
-  int64_t seen = 0;
-  for (int64_t j = 0; j < lmax; ++j) {
-    if (!m[j]) continue;
-    const T* kr = kc + slots[j] * stride;
-    __m256 even[NH], odd[NH];
-    for (int h = 0; h < NH; ++h) {
-      even[h] = _mm256_mul_ps(_mm256_loadu_ps(qf[h]), load8(kr));
-      odd[h] = _mm256_mul_ps(_mm256_loadu_ps(qf[h] + 8), load8(kr + 8));
-    }
-    for (int c = 2; c < C; c += 2) {
-      const __m256 k0 = load8(kr + 8 * c), k1 = load8(kr + 8 * c + 8);
-      for (int h = 0; h < NH; ++h) {
-        even[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf[h] + 8 * c), k0, even[h]);
-        odd[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf[h] + 8 * c + 8), k1, odd[h]);
-      }
-    }
-    for (int h = 0; h < NH; ++h) {
-      const float v = hsum8(_mm256_add_ps(even[h], odd[h])) * sc;
-      score[h][seen] = v;
-      mx[h] = v > mx[h] ? v : mx[h];
-    }
-    key[seen++] = slots[j];
-  }
-  softmax_values_heads<C, NH>(score, mx, key, seen, vc, stride, orow);
 }
 #endif
 
@@ -426,7 +370,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 void attend_causal(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
                    const at::Tensor& q_index, const at::Tensor& visible, double scale, at::Tensor out) {
   check_group(q, k_cache, v_cache, gather, q_index, out);
@@ -440,7 +384,7 @@ void attend_causal(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int64_t* gp = gather.data_ptr<int64_t>();
   dispatch(q.scalar_type(), "attend_causal", [&](auto tag) {
     using scalar_t = decltype(tag);
-    (d == 64 ? attend_causal_impl<4, scalar_t> : attend_causal_impl<8, scalar_t>)(
+    (d == 64 ? attend_causal_impl<64 / kVec, scalar_t> : attend_causal_impl<128 / kVec, scalar_t>)(
         q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
         nkv, nh, gp, groups, lmax, q_index.data_ptr<int64_t>(), visible.data_ptr<int64_t>(), qmax, rows,
         static_cast<float>(scale), out.data_ptr<scalar_t>(), out.stride(0), out.stride(1));

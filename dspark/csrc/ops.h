@@ -15,7 +15,7 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots);
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
             const at::Tensor& q_index, const at::Tensor& mask, double scale, at::Tensor out);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 void attend_causal(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
                    const at::Tensor& q_index, const at::Tensor& visible, double scale, at::Tensor out);
 #endif

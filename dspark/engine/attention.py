@@ -172,7 +172,7 @@ class TorchAttention:
         """Attention of q [N, H, D] over caches that already hold this pass's K/V. With ops, short
         groups (decode, chains, trees, drafter blocks) run the fused kernel, which visits each
         row's keys in one fixed order, and long prefill chunks its causal form where the build has
-        one (AVX512: the same bits per row, so a prompt's K/V do not depend on how it was chunked
+        one (AVX512 and AVX2 builds: the same bits per row, so a prompt's K/V do not depend on how it was chunked
         and a cached prefix equals one computed again); elsewhere they keep SDPA."""
         N, H, D = q.shape
         fused = ops is not None

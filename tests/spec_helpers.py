@@ -279,6 +279,14 @@ def save_tiny_eagle3(folder: str | Path, target_folder: str, draft_vocab: list[i
     return str(folder)
 
 
+def kernel_dtype_name() -> str:
+    """The dtype name the int4 kernels' build takes rows in (bfloat16 on AMX or VNNI, float32 on
+    AVX2 alone), as EngineConfig.dtype spells it."""
+    from dspark.models import cpu_ops
+
+    return str(cpu_ops.quant_dtype()).removeprefix("torch.")
+
+
 def require_kernels(built: object, quant: bool = False) -> None:
     """At a kernel test module's import: skip the module, saying why, where the C++ kernels cannot
     be built (DSPARK_CPU_OPS=0, no compiler or ninja, or for quant=True a CPU without AMX,

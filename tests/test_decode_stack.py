@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import alphabet_prompts, make_engine, require_kernels, run_requests
+from spec_helpers import alphabet_prompts, kernel_dtype_name, make_engine, require_kernels, run_requests
 
 from dspark.config import SamplingParams
 from dspark.models import cpu_ops, fused
@@ -18,7 +18,7 @@ from dspark.models.packed import pack_linears
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 require_kernels(cpu_ops.quant(), quant=True)  # a failed build where it could succeed fails, with its output
-DT_NAME = str(cpu_ops.quant_dtype()).removeprefix("torch.")
+DT_NAME = kernel_dtype_name()
 
 
 def _tokens(engine, prompts: list[list[int]], stack: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:

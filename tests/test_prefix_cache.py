@@ -7,7 +7,7 @@ it."""
 from __future__ import annotations
 
 import pytest
-from spec_helpers import alphabet_prompts, make_engine, run_requests
+from spec_helpers import alphabet_prompts, kernel_dtype_name, make_engine, run_requests
 from test_spec_cache import check_caches, fresh  # noqa: F401 - fresh is a fixture
 
 from dspark.config import SamplingParams
@@ -15,13 +15,6 @@ from dspark.engine.kv_cache import PagePool
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30)
-
-
-def _kernel_dtype() -> str:
-    """The dtype the int4 kernels run in here: bf16 on AMX / VNNI, float32 on AVX2 alone."""
-    from dspark.models import cpu_ops
-
-    return str(cpu_ops.quant_dtype()).removeprefix("torch.")
 
 
 def test_pool_shares_registered_pages_and_evicts_the_oldest_unheld():
@@ -171,7 +164,7 @@ def test_on_by_default_where_prompt_chunks_are_exact(tmp_path, folders, drafter,
     base = alphabet_prompts([45], seed=7)[0]
     tails = alphabet_prompts([6, 11, 4], seed=8)
     prompts = [base + t for t in tails] + [base[:30] + tails[0]]
-    kw = dict(quantization="int4", dtype=_kernel_dtype(), prompt_gemm_min_tokens=gemm_min)
+    kw = dict(quantization="int4", dtype=kernel_dtype_name(), prompt_gemm_min_tokens=gemm_min)
     ref = make_engine(target, drafter, enable_prefix_caching=False, max_num_batched_tokens=512, **kw)
     want = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in prompts])]
     cached = make_engine(target, drafter, max_num_batched_tokens=16, **kw)
@@ -241,7 +234,7 @@ def test_short_prompts_take_the_decode_kernels_and_cache_apart(tmp_path, folders
     base = alphabet_prompts([40], seed=9)[0]
     tails = alphabet_prompts([12, 3], seed=10)
     long_p, short_p = base + tails[0], base[:33] + tails[1]  # 52 and 36 tokens: pages 0-1 alike
-    kw = dict(quantization="int4", dtype=_kernel_dtype(), prompt_gemm_min_tokens=48)
+    kw = dict(quantization="int4", dtype=kernel_dtype_name(), prompt_gemm_min_tokens=48)
     ref = make_engine(target, "none", enable_prefix_caching=False, **kw)
     want = [o.token_ids for o in run_requests(ref, [(p, GREEDY, None) for p in (long_p, short_p)])]
     cached = make_engine(target, "none", max_num_batched_tokens=16, **kw)

@@ -169,7 +169,7 @@ template <int C>
 inline VecF block_scores(const float* qf, const float* kt, float sc) { return scores16<C>(qf, kt, sc); }
 #endif
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#ifdef DSPARK_REGISTER_ATTENTION
 // Causal groups (prompt chunks and chains): row q_index[g][i] sees the first visible[g][i] keys of
 // gather[g]. Each group's keys are transposed once per KV head into blocks of kVec, shared by every
 // row and query head that reads them, so a long prompt chunk costs a few instructions per key and
@@ -318,7 +318,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const bool* m = mp + gi * lmax;
         const int64_t* slots = gp + g * lmax;
         scalar_t* orow = op + row * so0 + hh * so1;
-#if defined(__AVX512F__) || defined(__AVX2__)
+#ifdef DSPARK_REGISTER_ATTENTION
         if (d == 64 || d == 128) {
           // this item and the next ones of the same row and KV head in this range, at most kMaxHeads
           const int64_t nhere = std::min({kMaxHeads, (kvh + 1) * per_kv - hh, e - it});
@@ -370,7 +370,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#ifdef DSPARK_REGISTER_ATTENTION
 void attend_causal(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
                    const at::Tensor& q_index, const at::Tensor& visible, double scale, at::Tensor out) {
   check_group(q, k_cache, v_cache, gather, q_index, out);

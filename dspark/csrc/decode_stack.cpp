@@ -100,7 +100,7 @@ std::vector<at::Tensor> decode_stack(at::Tensor h, const std::vector<at::Tensor>
         cpu::attend(q, kc, vc, groups[g], groups[g + 1], groups[g + 2], scale, o);
         continue;
       }
-#if defined(__AVX512F__) || defined(__AVX2__)
+#ifdef DSPARK_REGISTER_ATTENTION
       cpu::attend_causal(q, kc, vc, groups[g], groups[g + 1], groups[g + 2], scale, o);
 #else
       TORCH_CHECK(false, "decode_stack: this build attends no causal group");

@@ -16,7 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &cpu::silu_mul, "silu(gate) * up of a fused gate/up output");
   m.def("rope_store", &cpu::rope_store, "rotary on q and k in place; k and v into the paged caches");
   m.def("attend", &cpu::attend, "masked attention over paged keys, one fixed order per row");
-#if defined(__AVX512F__) || defined(__AVX2__)
+#ifdef DSPARK_REGISTER_ATTENTION
   m.def("attend_causal", &cpu::attend_causal, "attend's bits for causal rows (prompt chunks, chains), keys "
         "shared by the rows that read them");
 #endif

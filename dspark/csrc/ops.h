@@ -7,6 +7,12 @@
 #include <optional>
 #include <vector>
 
+// Builds whose attention runs on vector registers (attend.cpp: AVX512, or AVX2 via attend_avx2.h):
+// heads_attend for short groups and attend_causal for prompt chunks, with the same bits per row.
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define DSPARK_REGISTER_ATTENTION 1
+#endif
+
 namespace dspark::cpu {  // cpu_ops.cpp and attend.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::vector<at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
@@ -15,7 +21,7 @@ void rope_store(at::Tensor q, at::Tensor k, const at::Tensor& v, const at::Tenso
                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots);
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
             const at::Tensor& q_index, const at::Tensor& mask, double scale, at::Tensor out);
-#if defined(__AVX512F__) || defined(__AVX2__)
+#ifdef DSPARK_REGISTER_ATTENTION
 void attend_causal(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& gather,
                    const at::Tensor& q_index, const at::Tensor& visible, double scale, at::Tensor out);
 #endif

@@ -15,6 +15,7 @@
 // output then takes acc += S * (d * dx) (int4: acc += m * (dx * sum xq)) over groups in order, so a
 // row's result is the same bits alone or in any batch. Threads split column tiles, never a sum.
 
+#include "cpu_vec.h"
 #include "ops.h"
 #include "quant_layout.h"
 
@@ -30,12 +31,6 @@
 namespace dspark::amx {
 
 namespace {
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
 
 inline int32_t hsum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -57,7 +52,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* d
         v[i] = _mm256_loadu_ps(p + 8 * i);
         amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
       }
-      const float a = hmax(amax);
+      const float a = cpu::hmax8(amax);
       const __m256 inv = _mm256_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
       __m256i q[4];
       for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // to nearest, ties to even
